@@ -1,0 +1,59 @@
+"""megatron-ckpt-fixes: distributed checkpoints that cannot save "successfully" and then fail.
+
+``install()`` puts every fix into the megatron-core entry points users already call
+(``dist_checkpointing.save`` / ``load``, the rerun state machine). Each fix is declared as
+data (:class:`~megatron_ckpt_fixes._patching.Patch`) in the module that implements it; the
+feature modules listed in ``_FEATURES`` are applied in order, each only where the installed
+megatron-core still lacks it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import threading
+
+from ._patching import Patch, PatchSet
+from .compat.versions import UnsupportedVersionError, check_supported
+
+__version__ = "0.1.0"
+__all__ = ["install", "uninstall", "installed", "UnsupportedVersionError", "__version__"]
+
+logger = logging.getLogger(__name__)
+
+#: Modules exposing ``PATCHES: tuple[Patch, ...]``, applied in this order.
+_FEATURES: tuple[str, ...] = (
+    "megatron_ckpt_fixes.compat.cpu",
+)
+
+_lock = threading.Lock()
+_patches = PatchSet()
+
+
+def _declared() -> list[Patch]:
+    return [p for mod in _FEATURES for p in importlib.import_module(mod).PATCHES]
+
+
+def install() -> list[str]:
+    """Apply every fix the installed megatron-core lacks. Idempotent.
+
+    Returns the names of all installed patches. Raises :class:`UnsupportedVersionError`
+    for a megatron-core outside the supported range, before touching anything.
+    """
+    with _lock:
+        check_supported()
+        for patch in _declared():
+            if _patches.apply(patch):
+                logger.info("megatron_ckpt_fixes: installed %s", patch.name)
+        return _patches.names()
+
+
+def uninstall() -> None:
+    """Restore every patched attribute to the exact original object."""
+    with _lock:
+        _patches.restore_all()
+
+
+def installed() -> dict[str, str]:
+    """Installed patches: name -> why it is needed."""
+    return _patches.describe()

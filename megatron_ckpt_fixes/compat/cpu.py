@@ -1,0 +1,38 @@
+"""CPU/gloo support for megatron-core's torch_dist save and load path.
+
+The modules below hard-code CUDA on the checkpoint path (the async writer's preload
+synchronizes CUDA, finalize broadcasts a tensor on ``torch.cuda.current_device()``,
+global-metadata reuse verification reduces on ``device='cuda'``, the async caller checks
+liveness on the current CUDA device). Each gets a :class:`BackendAwareTorch` as its ``torch``.
+"""
+
+from __future__ import annotations
+
+from .._patching import Patch
+from .device import BackendAwareTorch
+
+_STRATEGIES = "megatron.core.dist_checkpointing.strategies"
+
+#: megatron-core modules whose CUDA calls sit on the torch_dist save/load path.
+CUDA_HARDCODED_MODULES: tuple[str, ...] = (
+    f"{_STRATEGIES}.filesystem_async",
+    f"{_STRATEGIES}.state_dict_saver",
+    f"{_STRATEGIES}.async_utils",
+    f"{_STRATEGIES}.fully_parallel",
+)
+
+
+def backend_aware_torch_patch(module: str, name: str) -> Patch:
+    """A patch giving ``module`` a backend-aware ``torch``."""
+    return Patch(
+        name=name,
+        target=module,
+        attr="torch",
+        build=BackendAwareTorch,
+        why=f"{module} hard-codes CUDA; follow the process group's backend instead",
+    )
+
+
+PATCHES: tuple[Patch, ...] = tuple(
+    backend_aware_torch_patch(mod, f"cpu.{mod.rsplit('.', 1)[1]}") for mod in CUDA_HARDCODED_MODULES
+)

@@ -1,0 +1,92 @@
+"""The device a collective needs, and a ``torch`` view that honours it.
+
+megatron-core's checkpoint code hard-codes CUDA (``device='cuda'``,
+``torch.cuda.current_device()``, ``torch.cuda.synchronize()``). With a gloo process group
+those calls either crash (no CUDA build) or put tensors where gloo cannot reduce them. Rather
+than copying the functions, each affected megatron module gets its global name ``torch``
+replaced by :class:`BackendAwareTorch`, which forwards everything to the real ``torch`` and
+only maps CUDA device requests to :func:`collective_device`. With NCCL nothing changes.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def backend_uses_cuda(group: Any = None) -> bool:
+    """Whether collectives of ``group`` (default: world) run on CUDA tensors."""
+    if not dist.is_available() or not dist.is_initialized():
+        return torch.cuda.is_available()
+    backend = str(dist.get_backend(group)).lower()
+    # "nccl", or a mixed spec such as "cpu:gloo,cuda:nccl" (then CUDA tensors are fine too).
+    return torch.cuda.is_available() and ("nccl" in backend or "cuda" in backend)
+
+
+def collective_device(group: Any = None) -> torch.device:
+    """The device tensors must live on for collectives of ``group``."""
+    if backend_uses_cuda(group):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def map_device(device: Any) -> Any:
+    """Map a CUDA device request to the collective device; leave everything else alone."""
+    if device is None or backend_uses_cuda():
+        return device
+    if isinstance(device, int) and not isinstance(device, bool):
+        return torch.device("cpu")  # a bare index means a CUDA ordinal in these call sites
+    if str(device).startswith("cuda"):
+        return torch.device("cpu")
+    return device
+
+
+class _BackendAwareCuda(types.SimpleNamespace):
+    """``torch.cuda`` with ``current_device``/``synchronize`` following the backend."""
+
+    def __init__(self, cuda: Any) -> None:
+        super().__init__()
+        self._cuda = cuda
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._cuda, name)
+
+    def current_device(self) -> Any:
+        if backend_uses_cuda():
+            return self._cuda.current_device()
+        return torch.device("cpu")
+
+    def synchronize(self, device: Any = None) -> None:
+        if self._cuda.is_available() and self._cuda.is_initialized():
+            self._cuda.synchronize(device)
+
+
+_DEVICE_FACTORIES = ("tensor", "empty", "empty_like", "zeros", "zeros_like", "ones", "full",
+                     "arange", "as_tensor")
+
+
+class BackendAwareTorch(types.SimpleNamespace):
+    """A stand-in for the ``torch`` module inside one megatron-core module."""
+
+    def __init__(self, real: types.ModuleType) -> None:
+        super().__init__()
+        self._real = real
+        self.cuda = _BackendAwareCuda(real.cuda)
+        for name in _DEVICE_FACTORIES:
+            setattr(self, name, self._with_mapped_device(getattr(real, name)))
+
+    @staticmethod
+    def _with_mapped_device(factory: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            if "device" in kwargs:
+                kwargs["device"] = map_device(kwargs["device"])
+            return factory(*args, **kwargs)
+
+        call.__wrapped__ = factory
+        return call
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._real, name)

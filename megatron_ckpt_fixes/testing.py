@@ -1,0 +1,105 @@
+"""Run a function on N real processes with a gloo process group (tests, benchmarks, demos).
+
+Every rank reports back a value or its error. A rank that never reports within the deadline
+is a hang: all processes are killed and the hang is reported, so a test of "never hangs"
+fails instead of blocking CI.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import queue as queue_mod
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+@dataclass(frozen=True)
+class RankResult:
+    rank: int
+    value: Any = None
+    error_type: str | None = None  # class name; exceptions themselves may not pickle
+    error: str | None = None  # str(exception)
+    trace: str | None = None
+
+    @property
+    def ok(self) -> bool:
+        return self.error_type is None
+
+
+class RanksFailed(AssertionError):
+    """At least one rank raised, or hung."""
+
+    def __init__(self, results: list[RankResult | None]) -> None:
+        self.results = results
+        lines = []
+        for rank, res in enumerate(results):
+            if res is None:
+                lines.append(f"rank {rank}: no result (hung or killed)")
+            elif not res.ok:
+                lines.append(f"rank {rank}: {res.error_type}: {res.error}\n{res.trace}")
+        super().__init__("\n".join(lines))
+
+
+def _worker(rank: int, world_size: int, init_method: str, fn: Callable, args: tuple,
+            collective_timeout_s: float, results: Any) -> None:
+    torch.set_num_threads(1)
+    dist.init_process_group(
+        "gloo", init_method=init_method, rank=rank, world_size=world_size,
+        timeout=datetime.timedelta(seconds=collective_timeout_s),
+    )
+    try:
+        value = fn(rank, world_size, *args)
+        results.put(RankResult(rank, value))
+    except BaseException as exc:  # CheckpointException derives from BaseException
+        results.put(RankResult(rank, None, type(exc).__name__, str(exc), traceback.format_exc()))
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 240.0,
+              collective_timeout_s: float = 60.0, check: bool = True) -> list[RankResult | None]:
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
+
+    ``fn`` must be importable (module level). With ``check`` (default) any error or hang
+    raises :class:`RanksFailed`; otherwise the per-rank results are returned (``None`` for a
+    rank that never reported).
+    """
+    ctx = mp.get_context("spawn")
+    results_q = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_method = f"file://{os.path.join(tmp, 'rendezvous')}"
+        procs = [
+            ctx.Process(target=_worker, args=(r, world_size, init_method, fn, args,
+                                              collective_timeout_s, results_q), daemon=False)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        results: list[RankResult | None] = [None] * world_size
+        deadline = time.monotonic() + timeout_s
+        pending = world_size
+        while pending and time.monotonic() < deadline:
+            try:
+                res = results_q.get(timeout=0.5)
+            except queue_mod.Empty:
+                if all(not p.is_alive() for p in procs) and results_q.empty():
+                    break
+                continue
+            results[res.rank] = res
+            pending -= 1
+        for p in procs:
+            p.join(timeout=5 if pending == 0 else 0.1)
+            if p.is_alive():
+                p.kill()
+                p.join()
+    if check and any(r is None or not r.ok for r in results):
+        raise RanksFailed(results)
+    return results
