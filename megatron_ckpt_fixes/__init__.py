@@ -27,6 +27,8 @@ logger = logging.getLogger(__name__)
 #: is what the "upstream still fails" tests use.
 FEATURES: dict[str, str] = {
     "cpu": "megatron_ckpt_fixes.compat.cpu",
+    "structure": "megatron_ckpt_fixes.structure",
+    "rerun-sentinel": "megatron_ckpt_fixes.rerun",
 }
 
 _lock = threading.Lock()
