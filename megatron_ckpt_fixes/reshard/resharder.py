@@ -1,0 +1,265 @@
+"""Value-aware resharding of a key -> slot table from N to M ranks.
+
+Why by value: a lookup searches only the table of the rank that owns the raw id
+(:mod:`.ownership`). So an entry must go to its id's owner, and there get a new slot in that
+rank's range; its embedding and optimizer rows must follow it to the new slot. Routing by the
+old slot (the upstream fix, :mod:`.upstream`) puts entries where no lookup will look.
+
+Input per rank: a :class:`SavedWindow`, a contiguous range of the saved global positions
+(and the rows of the same range of saved slots), read by DCP so that the windows of all ranks
+tile the saved table. No rank reads more than its window. Three phases, each one
+``all_to_all`` of packed rows (:mod:`.exchange`), each preceded by an agreement so that a
+problem found on one rank is raised on all:
+
+1. entries (id, old slot, metadata) go to the owner of their id;
+2. each owner keeps what fits (evicting the lowest scores), assigns new slots and asks the
+   rank holding each old slot's rows for them (old slot, new slot);
+3. the row holders send the rows back, tagged with the new slot.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from .errors import agree, agree_equal, problem
+from .exchange import pack, send_rows, unpack
+from .ownership import BlockOwnership, KeyOwnership
+from .table import MISS_ID, SlotRanges, TableShard
+
+logger = logging.getLogger(__name__)
+
+_ENTRY, _MISS_ROW = 0, 1  # kinds of row requests in phase 2
+
+
+@dataclass(frozen=True)
+class SavedWindow:
+    """Saved positions ``[start, start + n)`` of a table and the rows of saved slots
+    ``[start, start + n)`` (same range: in the MCH layout a rank's positions and slots coincide)."""
+
+    start: int
+    ids: torch.Tensor
+    slots: torch.Tensor
+    metadata: Mapping[str, torch.Tensor] = field(default_factory=dict)
+    rows: Mapping[str, torch.Tensor] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class ReshardSpec:
+    """Everything every rank must agree on before data moves.
+
+    ``saved``: slot ranges at save time (from the checkpoint's metadata). ``target``: slot
+    ranges of the current ranks. ``windows``: bounds of the saved range each current rank read
+    (may be empty). ``score``: metadata column deciding eviction, lowest first (``None``: by id,
+    highest first).
+    """
+
+    key: str
+    saved: SlotRanges
+    target: SlotRanges
+    windows: tuple[int, ...]
+    ownership: KeyOwnership = BlockOwnership()
+    score: str | None = None
+
+
+@dataclass(frozen=True)
+class ReshardReport:
+    """What happened to the entries of one table on one rank (``*_total``: all ranks)."""
+
+    key: str
+    rank: int
+    received: int
+    kept: int
+    evicted: int
+    evicted_total: int
+    kept_total: int
+
+
+@dataclass(frozen=True)
+class ReshardResult:
+    table: TableShard
+    rows: dict[str, torch.Tensor]
+    evicted_ids: torch.Tensor
+    report: ReshardReport
+
+
+def spec_problems(spec: ReshardSpec, world_size: int) -> list[str]:
+    """Shape errors of a spec: they are the same on every rank (the spec is agreed)."""
+    out = []
+    w = spec.windows
+    if spec.target.world_size != world_size:
+        out.append(f"target has {spec.target.world_size} ranges for {world_size} ranks")
+    if len(w) != world_size + 1 or w[0] != 0 or w[-1] != spec.saved.total or any(
+            b < a for a, b in zip(w, w[1:])):
+        out.append(f"read windows {w} do not tile the saved table [0, {spec.saved.total})")
+    return [problem(spec.key, -1, cause) for cause in out]
+
+
+def _window_problems(win: SavedWindow, spec: ReshardSpec, rank: int, world: int) -> list[str]:
+    """Everything wrong with this rank's saved window, checked before it is sent anywhere."""
+    key = spec.key
+    n = int(win.ids.numel())
+    lo, hi = spec.windows[rank], spec.windows[rank + 1]
+    if win.start != lo or n != hi - lo:
+        return [problem(key, rank, f"window holds [{win.start}, {win.start + n}), plan says [{lo}, {hi})")]
+    out = [problem(key, rank, f"column {name!r} has {col.shape[0]} rows, window has {n}")
+           for name, col in [("slots", win.slots), *win.metadata.items(), *win.rows.items()]
+           if col.shape[0] != n]
+    if out or n == 0:
+        return out
+    if spec.score is not None and spec.score not in win.metadata:
+        out.append(problem(key, rank, f"eviction score column {spec.score!r} not in metadata "
+                                      f"{sorted(win.metadata)}"))
+    pos = torch.arange(lo, hi)
+    chunk = spec.saved.rank_of(pos)
+    bounds = torch.tensor(spec.saved.bounds)
+    c_lo, c_hi = bounds[chunk], bounds[chunk + 1]
+    real = win.ids != MISS_ID
+    bad = real & ((win.slots < c_lo) | (win.slots >= c_hi))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        out.append(problem(key, rank, f"{int(bad.sum())} out-of-range slots, e.g. id {int(win.ids[i])} "
+                                      f"at saved position {lo + i} maps to slot {int(win.slots[i])}, "
+                                      f"saved rank {int(chunk[i])} serves [{int(c_lo[i])}, {int(c_hi[i])})"))
+    taken = real & (win.slots == c_hi - 1)
+    if bool(taken.any()):
+        i = int(taken.nonzero()[0])
+        out.append(problem(key, rank, f"id {int(win.ids[i])} holds the reserved miss slot "
+                                      f"{int(win.slots[i])} of saved rank {int(chunk[i])}"))
+    last = real & (pos == c_hi - 1)
+    if bool(last.any()):
+        i = int(last.nonzero()[0])
+        out.append(problem(key, rank, f"the reserved last position {lo + i} of saved rank "
+                                      f"{int(chunk[i])} holds id {int(win.ids[i])}, not the miss id"))
+    unsorted = (win.ids[1:] < win.ids[:-1]) & (chunk[1:] == chunk[:-1])
+    if bool(unsorted.any()):
+        i = int(unsorted.nonzero()[0])
+        out.append(problem(key, rank, f"ids of saved rank {int(chunk[i])} are not sorted at "
+                                      f"position {lo + i + 1}"))
+    owners = spec.ownership.owner(win.ids[real], world)
+    wrong = (owners < 0) | (owners >= world)
+    if bool(wrong.any()):
+        out.append(problem(key, rank, f"ownership rule sends id {int(win.ids[real][wrong][0])} to rank "
+                                      f"{int(owners[wrong][0])}, outside [0, {world})"))
+    return out
+
+
+def _local_problems(win: SavedWindow, spec: ReshardSpec, init_rows: Mapping[str, torch.Tensor] | None,
+                    rank: int, world: int) -> list[str]:
+    """All checks before the first exchange; a crash in a check is a problem too, not a hang."""
+    try:
+        out = spec_problems(spec, world) or _window_problems(win, spec, rank, world)
+        size = spec.target.size(rank) if not out else 0
+        for name, base in (init_rows or {}).items():
+            if name in win.rows and (base.shape[0] != size or base.shape[1:] != win.rows[name].shape[1:]
+                                     or base.dtype != win.rows[name].dtype):
+                out.append(problem(spec.key, rank, f"initial rows {name!r} are {tuple(base.shape)} "
+                                                   f"{base.dtype}, need {size} rows like the saved ones"))
+        return out
+    except Exception as exc:  # noqa: BLE001 - reported on every rank by agree()
+        return [problem(spec.key, rank, f"validation failed: {type(exc).__name__}: {exc}")]
+
+
+def _keep_mask(ids: torch.Tensor, scores: torch.Tensor | None, capacity: int) -> torch.Tensor:
+    """Which of the (id-sorted) entries stay: the ``capacity`` highest scores, ties to lower ids."""
+    n = int(ids.numel())
+    keep = torch.ones(n, dtype=torch.bool)
+    if n <= capacity:
+        return keep
+    if scores is None:
+        keep[capacity:] = False
+        return keep
+    order = torch.sort(scores, descending=True, stable=True).indices  # stable: lower id first
+    keep[order[capacity:]] = False
+    return keep
+
+
+def reshard(win: SavedWindow, spec: ReshardSpec, *, init_rows: Mapping[str, torch.Tensor] | None = None,
+            group: Any = None) -> ReshardResult:
+    """Move this rank's saved window to the value owners; return this rank's new table and rows.
+
+    Collective over ``group``. ``init_rows`` gives the rows of slots no id takes (e.g. the
+    freshly initialised local embedding); zeros otherwise. Raises :class:`ReshardError`
+    on every rank if any rank finds a problem.
+    """
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    key = spec.key
+    agree_equal(key, "the reshard spec", spec, group)
+    agree(key, _local_problems(win, spec, init_rows, rank, world), group)
+
+    # Phase 1: entries to the owner of their id.
+    real = win.ids != MISS_ID
+    meta_names = sorted(win.metadata)
+    columns = [win.ids[real], win.slots[real], *(win.metadata[m][real] for m in meta_names)]
+    got = send_rows(pack(columns), spec.ownership.owner(columns[0], world), group)
+    ids, old_slots, *meta = unpack(got.payload, columns)
+    order = torch.argsort(ids, stable=True)
+    ids, old_slots, meta = ids[order], old_slots[order], [m[order] for m in meta]
+    dup = ids[1:] == ids[:-1]
+    agree(key, [problem(key, rank, f"id {int(ids[1:][dup][0])} appears {int(dup.sum()) + 1}+ times "
+                                   "in the saved table")] if bool(dup.any()) else [], group)
+
+    # Phase 2: keep what fits, give new slots, ask the row holders.
+    start, size = spec.target.start(rank), spec.target.size(rank)
+    scores = meta[meta_names.index(spec.score)] if spec.score is not None else None
+    keep = _keep_mask(ids, scores, size - 1)  # the last slot stays the miss slot
+    kept = int(keep.sum())
+    new_slots = torch.full_like(ids, -1)
+    new_slots[keep] = start + torch.arange(kept)
+    miss_row = spec.saved.miss_slot(rank % spec.saved.world_size)
+    req_old = torch.cat([old_slots, torch.tensor([miss_row])])
+    req_new = torch.cat([new_slots, torch.tensor([spec.target.miss_slot(rank)])])
+    req_kind = torch.cat([torch.full_like(ids, _ENTRY), torch.tensor([_MISS_ROW])])
+    holder = torch.searchsorted(torch.tensor(spec.windows[1:-1]), req_old, right=True)
+    asked = send_rows(pack([req_old, req_new, req_kind]), holder, group)
+    a_old, a_new, a_kind = unpack(asked.payload, [req_old, req_new, req_kind])
+    entry_slots = torch.sort(a_old[a_kind == _ENTRY]).values
+    dup_slot = entry_slots[1:] == entry_slots[:-1]
+    agree(key, [problem(key, rank, f"saved slot {int(entry_slots[1:][dup_slot][0])} is mapped from "
+                                   f"{int(dup_slot.sum()) + 1}+ ids")] if bool(dup_slot.any()) else [],
+          group)
+
+    # Phase 3: rows back to their new slots.
+    wanted = a_new >= 0
+    row_names = sorted(win.rows)
+    local = a_old[wanted] - win.start
+    reply = [a_new[wanted], *(win.rows[r][local] for r in row_names)]
+    back = send_rows(pack(reply), asked.sources[wanted], group)
+    arrived = unpack(back.payload, reply)
+    rows: dict[str, torch.Tensor] = {}
+    for name, values in zip(row_names, arrived[1:]):
+        base = init_rows[name] if init_rows is not None and name in init_rows else None
+        out = base.clone() if base is not None else values.new_zeros((size,) + tuple(values.shape[1:]))
+        out[arrived[0] - start] = values
+        rows[name] = out
+
+    table = _build_table(start, size, ids[keep], [m[keep] for m in meta], meta_names)
+    totals = torch.tensor([int((~keep).sum()), kept], dtype=torch.int64)
+    dist.all_reduce(totals, group=group)
+    report = ReshardReport(key, rank, int(ids.numel()), kept, int((~keep).sum()),
+                           int(totals[0]), int(totals[1]))
+    if report.evicted:
+        logger.warning("reshard %s: rank %d evicted %d of %d ids (capacity %d)", key, rank,
+                       report.evicted, report.received, size - 1)
+    return ReshardResult(table, rows, ids[~keep], report)
+
+
+def _build_table(start: int, size: int, kept_ids: torch.Tensor, kept_meta: list[torch.Tensor],
+                 meta_names: list[str]) -> TableShard:
+    """The MCH layout: kept ids (sorted) at slots ``start + i``, then the free slots in order,
+    which ends with the miss slot ``start + size - 1`` at the last position."""
+    k = int(kept_ids.numel())
+    ids = torch.full((size,), MISS_ID, dtype=torch.int64)
+    ids[:k] = kept_ids
+    slots = torch.arange(start, start + size, dtype=torch.int64)
+    metadata = {}
+    for name, col in zip(meta_names, kept_meta):
+        full = col.new_zeros((size,) + tuple(col.shape[1:]))
+        full[:k] = col
+        metadata[name] = full
+    return TableShard(start, ids, slots, metadata)
