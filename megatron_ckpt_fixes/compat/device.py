@@ -45,7 +45,7 @@ def map_device(device: Any) -> Any:
 
 
 class _BackendAwareCuda(types.SimpleNamespace):
-    """``torch.cuda`` with ``current_device``/``synchronize`` following the backend."""
+    """``torch.cuda`` with ``current_device``/``synchronize``/RNG state following the backend."""
 
     def __init__(self, cuda: Any) -> None:
         super().__init__()
@@ -62,6 +62,29 @@ class _BackendAwareCuda(types.SimpleNamespace):
     def synchronize(self, device: Any = None) -> None:
         if self._cuda.is_available() and self._cuda.is_initialized():
             self._cuda.synchronize(device)
+
+    # The CUDA RNG calls below exist for code that saves/restores "all" RNG states around a
+    # step (the rerun state machine, the tensor-parallel RNG tracker). Without a CUDA backend
+    # there is no CUDA generator to save: the state is an empty tensor and restoring it (or
+    # seeding) is a no-op, while the CPU generators are still saved/restored by the callers.
+
+    def get_rng_state(self, device: Any = "cuda") -> Any:
+        if backend_uses_cuda():
+            return self._cuda.get_rng_state(device)
+        return torch.empty(0, dtype=torch.uint8)
+
+    def set_rng_state(self, new_state: Any, device: Any = "cuda") -> None:
+        if backend_uses_cuda():
+            self._cuda.set_rng_state(new_state, device)
+
+    def manual_seed(self, seed: int) -> None:
+        if backend_uses_cuda():
+            self._cuda.manual_seed(seed)
+
+    @property
+    def random(self) -> "_BackendAwareCuda":
+        """``torch.cuda.random.get_rng_state``/``set_rng_state`` follow the backend too."""
+        return self
 
 
 _DEVICE_FACTORIES = ("tensor", "empty", "empty_like", "zeros", "zeros_like", "ones", "full",

@@ -1,0 +1,67 @@
+"""What the example training loop needs to run megatron-core's GPTModel and optimizer on gloo.
+
+Not a checkpoint fix, so not an ``install()`` feature: these are the CUDA hard-codings on the
+*training* path (``GlobalMemoryBuffer`` allocates attention scratch on
+``torch.cuda.current_device()``, the tensor-parallel RNG tracker seeds, saves and restores the
+CUDA generator around every attention dropout, ``FP32Optimizer`` puts its loss scale on
+``device='cuda'``). Each module gets a backend-aware ``torch`` (see
+:mod:`megatron_ckpt_fixes.compat.device`); with NCCL on GPUs nothing changes. Applied by
+:func:`install`, idempotent, reversible with :func:`uninstall`.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+from .._patching import Patch, PatchSet
+from ..compat.cpu import backend_aware_torch_patch
+from ..compat.device import backend_uses_cuda
+
+_TP_RANDOM = "megatron.core.tensor_parallel.random"
+
+#: megatron-core modules whose CUDA calls sit on the forward/backward/optimizer path.
+TRAINING_CUDA_MODULES: tuple[str, ...] = (
+    "megatron.core.utils",
+    _TP_RANDOM,
+    "megatron.core.optimizer.optimizer",
+    "megatron.core.optimizer.clip_grads",
+)
+
+
+def _skip_without_cuda(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``_set_cuda_rng_state`` queues a CUDA call; without CUDA there is no state to set."""
+
+    @functools.wraps(original)
+    def set_state(*args: Any, **kwargs: Any) -> None:
+        if backend_uses_cuda():
+            original(*args, **kwargs)
+
+    return set_state
+
+
+PATCHES: tuple[Patch, ...] = tuple(
+    backend_aware_torch_patch(mod, f"training-cpu.{mod.rsplit('.', 1)[1]}")
+    for mod in TRAINING_CUDA_MODULES
+) + (
+    Patch(
+        name="training-cpu.set_cuda_rng_state",
+        target=_TP_RANDOM,
+        attr="_set_cuda_rng_state",
+        build=_skip_without_cuda,
+        why="the RNG tracker restores the CUDA generator after each fork; no-op without CUDA",
+    ),
+)
+
+_patches = PatchSet()
+
+
+def install() -> list[str]:
+    """Apply the training-path CPU support. Idempotent; returns the applied patch names."""
+    for patch in PATCHES:
+        _patches.apply(patch)
+    return _patches.names()
+
+
+def uninstall() -> None:
+    _patches.restore_all()

@@ -1,0 +1,22 @@
+#!/usr/bin/env python
+"""Megatron-style training with the rerun state machine and fault checkpoints.
+
+    torchrun --nproc-per-node 2 scripts/train.py --tensor-model-parallel-size 2 \
+        --train-iters 20 --save ckpt --load ckpt --save-interval 2 \
+        --ckpt-format torch_dist --ckpt-assume-constant-structure \
+        --rerun-mode validate_results --error-injection-rate 8 \
+        --error-injection-type persistent_error
+
+Exit codes: 0 done (or --exit-interval), 16 resume from the fault checkpoint to disambiguate,
+17 failed result validation. See docs/training.md.
+"""
+
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from megatron_ckpt_fixes.training.loop import main  # noqa: E402
+
+if __name__ == "__main__":
+    sys.exit(main())
