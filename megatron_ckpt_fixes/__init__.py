@@ -29,6 +29,7 @@ FEATURES: dict[str, str] = {
     "cpu": "megatron_ckpt_fixes.compat.cpu",
     "structure": "megatron_ckpt_fixes.structure",
     "rerun-sentinel": "megatron_ckpt_fixes.rerun",
+    "rerun-cpu": "megatron_ckpt_fixes.compat.rerun_device",
 }
 
 _lock = threading.Lock()
