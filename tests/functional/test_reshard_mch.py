@@ -12,7 +12,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 from megatron_ckpt_fixes.reshard import (
-    MISS_ID, BlockOwnership, ReshardError, ReshardSpec, SavedWindow, SlotRanges, TableShard,
+    MISS_ID, BlockOwnership, ModuloOwnership, ReshardError, ReshardSpec, SavedWindow, SlotRanges, TableShard,
     ZchTable, load_mch, mch_state_dict, reshard,
 )
 from megatron_ckpt_fixes.reshard.upstream import slot_routed_tables
@@ -81,8 +81,10 @@ def _corrupt(module: ZchTable, rank: int, how: str | None, first_id_of_rank0: in
 
 
 def load_rank(rank: int, world: int, saved_bounds: tuple[int, ...], seed: int, fill: float,
-              bounds: tuple[int, ...], ckpt: str) -> dict:
-    ranges = SlotRanges(bounds)
+              bounds: tuple, ckpt: str) -> dict:
+    """Load at this world size and check every id this rank owns now. ``bounds`` may be a
+    tuple of per-rank bounds, to give ranks inconsistent layouts."""
+    ranges = SlotRanges(bounds[rank] if isinstance(bounds[0], tuple) else bounds)
     module = ZchTable(ranges, rank)
     size = ranges.size(rank)
     rows = {EMB: torch.full((size, D), -1.0), OPT: torch.full((size, D), -1.0)}
@@ -124,18 +126,55 @@ def save_many(rank: int, world: int, jobs: list[tuple]) -> None:
         save_rank(rank, world, saved, seed, fill, ckpt, corrupt)
 
 
+def generic_rank(rank: int, world: int, mismatch: bool = False) -> list[str]:
+    """The generic API without DCP: modulo ownership, no score, an empty read window, metadata
+    of mixed dtypes and shapes, float64 rows. Returns the problems found (none expected)."""
+    saved, target, windows = SlotRanges((0, 10, 25)), SlotRanges((0, 8, 16, 30)), (0, 0, 12, 25)
+    if mismatch and rank == 2:
+        windows = (0, 1, 12, 25)
+    ids = torch.full((25,), MISS_ID, dtype=torch.int64)
+    slots = torch.arange(25)
+    ids[:6], slots[:6] = torch.tensor([3, 4, 8, 11, 20, 31]), torch.tensor([5, 0, 2, 1, 8, 3])
+    ids[10:21] = torch.tensor([40, 41, 42, 50, 53, 54, 60, 61, 62, 70, 72])
+    slots[10:24] = 10 + torch.tensor([13, 2, 5, 7, 0, 1, 3, 4, 6, 8, 9, 10, 11, 12])
+    meta = {"last": ids * 2, "f": torch.stack([ids.float(), -ids.float()], 1)}
+    rows = {"w": torch.arange(25 * 3, dtype=torch.float64).reshape(25, 3)}
+    lo, hi = windows[rank], windows[rank + 1]
+    win = SavedWindow(lo, ids[lo:hi], slots[lo:hi], {k: v[lo:hi] for k, v in meta.items()},
+                      {k: v[lo:hi] for k, v in rows.items()})
+    spec = ReshardSpec("generic", saved, target, windows, ModuloOwnership(), None)
+    res = reshard(win, spec)
+    out = res.table.problems("generic", rank)
+    real = ids[ids != MISS_ID]
+    mine = real[real % world == rank]
+    got = res.table.lookup(mine)
+    if bool((got == res.table.miss_slot).any()):
+        out.append(f"rank {rank} lost ids")
+    where = {int(i): p for p, i in enumerate(ids.tolist())}
+    for i, s in zip(mine.tolist(), got.tolist()):
+        p = where[i]
+        if not torch.equal(res.rows["w"][s - res.table.start], rows["w"][int(slots[p])]):
+            out.append(f"id {i}: wrong row")
+        q = int(torch.searchsorted(res.table.ids, torch.tensor(i)))
+        if not (torch.equal(res.table.metadata["f"][q], meta["f"][p])
+                and int(res.table.metadata["last"][q]) == 2 * i):
+            out.append(f"id {i}: wrong metadata")
+    return out
+
+
 def load_many(rank: int, world: int, jobs: list[tuple]) -> list:
     """Every load at this world size; an expected :class:`ReshardError` is returned as text.
     Later jobs only run if the ranks left the failed one together (no rank stuck)."""
     out = []
-    for saved, seed, fill, target, ckpt, expect_error in jobs:
-        if not expect_error:
-            out.append(load_rank(rank, world, saved, seed, fill, target, ckpt))
-            continue
+    for kind, args in jobs:
         try:
-            load_rank(rank, world, saved, seed, fill, target, ckpt)
-            out.append(None)
+            if kind == "generic":
+                out.append(generic_rank(rank, world, *args))
+            else:
+                out.append(load_rank(rank, world, *args))
         except ReshardError as exc:
+            if kind == "load":
+                raise
             out.append(str(exc))
     return out
 
@@ -164,6 +203,8 @@ BAD = {
     "unsorted": "not sorted",
 }
 BAD_SAVED, BAD_TARGET, SEED = (0, 50, 90), (0, 30, 60, 90), 1
+# Rank 1 believes in other bounds than ranks 0 and 2: a gap between rank 0 and rank 1.
+LAYOUT_GAP = ((0, 30, 60, 90), (0, 32, 60, 90), (0, 30, 60, 90))
 
 
 @pytest.fixture(scope="module")
@@ -176,11 +217,14 @@ def runs(tmp_path_factory):
     for name, (saved, target, fill) in CASES.items():
         ckpt = str(root / name)
         saves.setdefault(len(saved) - 1, []).append((saved, SEED, fill, ckpt, None))
-        loads.setdefault(len(target) - 1, []).append((name, (saved, SEED, fill, target, ckpt, False)))
+        loads.setdefault(len(target) - 1, []).append((name, ("load", (saved, SEED, fill, target, ckpt))))
     for bad in BAD:
         ckpt = str(root / bad)
         saves.setdefault(2, []).append((BAD_SAVED, SEED, 0.4, ckpt, bad))
-        loads.setdefault(3, []).append((bad, (BAD_SAVED, SEED, 0.4, BAD_TARGET, ckpt, True)))
+        loads.setdefault(3, []).append((bad, ("bad", (BAD_SAVED, SEED, 0.4, BAD_TARGET, ckpt))))
+    good = str(root / "2to3")
+    loads[3] += [("layout_gap", ("bad", (CASES["2to3"][0], SEED, 0.4, LAYOUT_GAP, good))),
+                 ("generic", ("generic", ())), ("spec_mismatch", ("generic", (True,)))]
     for world, jobs in saves.items():
         run_ranks(save_many, world, jobs, timeout_s=150)
     out: dict[str, list] = {}
@@ -248,3 +292,18 @@ def test_bad_checkpoint_same_error_on_every_rank(runs, bad):
     assert all(m is not None for m in messages), f"{bad}: some rank loaded without error"
     assert len(set(messages)) == 1, messages
     assert PREFIX in messages[0] and "rank" in messages[0] and BAD[bad] in messages[0], messages[0]
+
+
+def test_inconsistent_current_layout_same_error_on_every_rank(runs):
+    messages = runs["layout_gap"]
+    assert len(set(messages)) == 1 and messages[0] is not None
+    assert "gap at rank 1" in messages[0] and PREFIX in messages[0], messages[0]
+
+
+def test_generic_api_modulo_ownership_mixed_columns_empty_window(runs):
+    assert runs["generic"] == [[], [], []]
+
+
+def test_ranks_disagreeing_on_the_spec_fail_together(runs):
+    messages = runs["spec_mismatch"]
+    assert len(set(messages)) == 1 and "disagree" in messages[0] and "generic" in messages[0], messages
