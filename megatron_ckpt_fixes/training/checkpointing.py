@@ -17,6 +17,7 @@ One :class:`Checkpointer` per job, like Megatron-LM's ``save_checkpoint``/``load
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import shutil
@@ -122,7 +123,7 @@ class Checkpointer:
         request = dist_checkpointing.save(sharded, str(staging), self.save_strategy,
                                           async_sharded_save=True)
         self._maybe_arm_kill(request, state.iteration)
-        request.add_finalize_fn(lambda: self._commit(root, state.iteration))
+        request.add_finalize_fn(functools.partial(self._commit, root, state.iteration))
         if self.async_queue is not None:
             self.async_queue.schedule_async_request(request)
         else:

@@ -118,16 +118,20 @@ def train_step(job: Job) -> tuple[float | None, int | None]:
     return reported, None
 
 
-def _log_step(job: Job, loss: float | None) -> None:
+def _log_step(job: Job, iteration: int, loss: float | None, exit_code: int | None) -> None:
+    """Megatron's per-iteration line; with --log-file also one JSON line per step outcome."""
     if dist.get_rank() != 0:
         return
-    it, total = job.state.iteration, job.args.train_iters
+    state = job.machine.state.name
     text = "n/a" if loss is None else f"{loss:.6E} ({loss.hex()})"
-    print(f" iteration {it:8d}/{total:8d} | lm loss: {text} | rerun state: "
-          f"{job.machine.state.name}", flush=True)
+    suffix = "" if exit_code is None else f" | exit code {exit_code}"
+    print(f" iteration {iteration:8d}/{job.args.train_iters:8d} | lm loss: {text} | "
+          f"rerun state: {state}{suffix}", flush=True)
     if job.args.log_file is not None and loss is not None:
+        record = {"iteration": iteration, "loss": loss.hex(), "rerun_state": state,
+                  "exit_code": exit_code}
         with open(job.args.log_file, "a") as f:
-            f.write(json.dumps({"iteration": it, "loss": loss.hex()}) + "\n")
+            f.write(json.dumps(record) + "\n")
 
 
 def train(job: Job) -> int:
@@ -139,14 +143,11 @@ def train(job: Job) -> int:
     while state.iteration < args.train_iters:
         job.checkpointer.finalize(blocking=False)
         loss, exit_code = train_step(job)
+        _log_step(job, state.iteration + 1, loss, exit_code)
         if exit_code is not None:
-            if dist.get_rank() == 0:
-                print(f" exiting with code {exit_code} at iteration {state.iteration} (rerun "
-                      f"state {job.machine.state.name})", flush=True)
             return exit_code
         state.iteration += 1
         state.consumed_batches += 1
-        _log_step(job, loss)
         if args.save is not None and args.save_interval and state.iteration % args.save_interval == 0:
             job.checkpointer.save(state, job.model, job.optimizer, job.machine, job.data)
             saved_at = state.iteration
