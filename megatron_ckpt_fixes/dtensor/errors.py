@@ -28,6 +28,6 @@ class LayoutAgreementError(PlacementError):
 
     def __init__(self, errors: list[tuple[str, int | None, str]]) -> None:
         self.errors = tuple(errors)
-        key, rank, _ = errors[0]
+        self.key, self.rank, self.problem = errors[0]
         details = "; ".join(str(PlacementError(k, r, p)) for k, r, p in errors)
-        super().__init__(key, rank, f"layout rejected on all ranks: {details}")
+        ValueError.__init__(self, f"checkpoint layout rejected on every rank: {details}")

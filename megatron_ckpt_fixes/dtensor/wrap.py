@@ -144,7 +144,8 @@ def _agree(reports: list[Any]) -> _Agreement:
         for key, desc in described.items():
             by_key.setdefault(key, {})[rank] = desc
     global_shapes: dict[str, Shape] = {}
-    for key in sorted(by_key):
+    failed = {key for key, _, _ in errors}
+    for key in sorted(by_key.keys() - failed):
         try:
             global_shapes[key] = _global_shape(key, by_key[key])
         except PlacementError as exc:
