@@ -20,7 +20,7 @@ from typing import Any, Callable
 from packaging.version import Version
 
 from .._patching import Patch
-from ..compat.versions import mcore_version
+from ..compat import versions
 
 RERUN_STATE_KEY = "rerun_state_machine_state"
 
@@ -29,7 +29,7 @@ UPSTREAM_SENTINEL_SINCE = Version("0.17")
 
 
 def upstream_lacks_sentinel() -> bool:
-    return Version(mcore_version().base_version) < UPSTREAM_SENTINEL_SINCE
+    return Version(versions.mcore_version().base_version) < UPSTREAM_SENTINEL_SINCE
 
 
 def always_emit(original: Callable[..., Any]) -> Callable[..., Any]:

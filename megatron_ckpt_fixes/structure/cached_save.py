@@ -3,15 +3,17 @@
 megatron-core caches, under that flag, the local and central save plans, the global
 metadata (also the one read back at load), and in the fully-parallel wrapper the shard
 distribution; none of them is ever checked against the state dict being saved. These patches
-wrap the strategies' ``async_save`` (which their ``save`` also goes through): before the
-upstream code runs, the :class:`~.guard.StructureGuard` decides collectively whether the
+wrap the strategies' save entry points (``save`` and ``async_save``; the fully-parallel
+wrapper's ``save`` does not go through its ``async_save``): before the upstream code runs, the :class:`~.guard.StructureGuard` decides collectively whether the
 structure changed, and if so every cache layer of that strategy is reset so upstream replans
 from scratch. Unchanged structure takes upstream's cached fast path untouched.
 """
 
 from __future__ import annotations
 
+import contextvars
 import functools
+import logging
 import os
 from typing import Any, Callable
 
@@ -34,6 +36,11 @@ PLAN_CACHES: dict[str, Any] = {
 DISTRIBUTION_CACHES: dict[str, Any] = {"cached_distribution": None}
 
 _GUARD_ATTR = "_mcf_structure_guard"
+_ACTIVE_ATTR = "_mcf_structure_checked"
+#: Set while a guarded save runs, so a nested strategy (the fully-parallel wrapper's base)
+#: reports the same change at debug level only: each change is logged once per rank.
+_OUTER_SAVE: contextvars.ContextVar[bool] = contextvars.ContextVar("mcf_outer_save",
+                                                                   default=False)
 
 
 def drop_caches(strategy: Any, caches: dict[str, Any]) -> None:
@@ -60,49 +67,61 @@ def forget_reader_metadata(checkpoint_dir: Any) -> None:
         cache.pop(os.path.abspath(os.fspath(checkpoint_dir)), None)
 
 
-def guarded_async_save(original: Callable[..., Any], caching: Callable[[Any], bool],
-                       caches: dict[str, Any]) -> Callable[..., Any]:
-    """Wrap a strategy's ``async_save`` with the collective structure check."""
+def guarded_save(original: Callable[..., Any], caching: Callable[[Any], bool],
+                 caches: dict[str, Any]) -> Callable[..., Any]:
+    """Wrap a strategy's ``save``/``async_save`` with the collective structure check.
+
+    A ``save`` that calls ``async_save`` on the same object checks once (the inner call
+    sees the check in progress), so every rank runs the same number of agreements.
+    """
 
     @functools.wraps(original)
-    def async_save(self: Any, sharded_state_dict: Any, checkpoint_dir: Any,
-                   *args: Any, **kwargs: Any) -> Any:
+    def save(self: Any, sharded_state_dict: Any, checkpoint_dir: Any,
+             *args: Any, **kwargs: Any) -> Any:
         forget_reader_metadata(checkpoint_dir)
-        if not caching(self):
+        if not caching(self) or self.__dict__.get(_ACTIVE_ATTR):
             return original(self, sharded_state_dict, checkpoint_dir, *args, **kwargs)
         guard = guard_of(self)
         what = f"structure check of {type(self).__name__} before saving {checkpoint_dir}"
-        if guard.should_replan(sharded_state_dict, what):
+        level = logging.DEBUG if _OUTER_SAVE.get() else logging.WARNING
+        if guard.should_replan(sharded_state_dict, what, log_level=level):
             drop_caches(self, caches)
+        self.__dict__[_ACTIVE_ATTR] = True
+        token = _OUTER_SAVE.set(True)
         try:
             return original(self, sharded_state_dict, checkpoint_dir, *args, **kwargs)
         except BaseException:
             drop_caches(self, caches)
             guard.forget()
             raise
+        finally:
+            _OUTER_SAVE.reset(token)
+            self.__dict__[_ACTIVE_ATTR] = False
 
-    return async_save
+    return save
+
+
+def _guarded_entry_points(prefix: str, target: str, caching: Callable[[Any], bool],
+                          caches: dict[str, Any], why: str) -> tuple[Patch, ...]:
+    return tuple(
+        Patch(name=f"{prefix}.{attr}", target=target, attr=attr,
+              build=lambda original: guarded_save(original, caching, caches), why=why)
+        for attr in ("save", "async_save")
+    )
 
 
 _STRATEGIES = "megatron.core.dist_checkpointing.strategies"
 
-PATCHES: tuple[Patch, ...] = (
-    Patch(
-        name="structure.cached_plan",
-        target=f"{_STRATEGIES}.torch:TorchDistSaveShardedStrategy",
-        attr="async_save",
-        build=lambda original: guarded_async_save(
-            original, lambda s: bool(getattr(s, "use_cached_ckpt_structure", False)),
-            PLAN_CACHES),
-        why="cached save plans are reused only while every rank's structure signature holds",
-    ),
-    Patch(
-        name="structure.cached_distribution",
-        target=f"{_STRATEGIES}.fully_parallel:FullyParallelSaveStrategyWrapper",
-        attr="async_save",
-        build=lambda original: guarded_async_save(
-            original, lambda s: bool(getattr(s, "do_cache_distribution", False)),
-            DISTRIBUTION_CACHES),
-        why="the cached fully-parallel shard distribution is dropped when the structure changes",
-    ),
+PATCHES: tuple[Patch, ...] = _guarded_entry_points(
+    "structure.cached_plan",
+    f"{_STRATEGIES}.torch:TorchDistSaveShardedStrategy",
+    lambda s: bool(getattr(s, "use_cached_ckpt_structure", False)),
+    PLAN_CACHES,
+    "cached save plans are reused only while every rank's structure signature holds",
+) + _guarded_entry_points(
+    "structure.cached_distribution",
+    f"{_STRATEGIES}.fully_parallel:FullyParallelSaveStrategyWrapper",
+    lambda s: bool(getattr(s, "do_cache_distribution", False)),
+    DISTRIBUTION_CACHES,
+    "the cached fully-parallel shard distribution is dropped when the structure changes",
 )

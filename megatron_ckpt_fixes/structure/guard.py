@@ -27,7 +27,8 @@ class StructureGuard:
 
     previous: StructureSignature | None = None
 
-    def should_replan(self, sharded_state_dict: Any, what: str, group: Any = None) -> bool:
+    def should_replan(self, sharded_state_dict: Any, what: str, group: Any = None,
+                      log_level: int = logging.WARNING) -> bool:
         """Collective: True on every rank iff some rank's structure changed since last time.
 
         The first save of a guard has nothing to compare with and reports no change: the
@@ -44,7 +45,8 @@ class StructureGuard:
             error = f"cannot describe the sharded state dict: {type(exc).__name__}: {exc}"
         if changed:
             assert self.previous is not None and current is not None
-            logger.warning(
+            logger.log(
+                log_level,
                 "rank %d: sharded state dict structure changed since the previous save "
                 "(%s); dropping cached save plans and replanning on every rank",
                 dist.get_rank() if dist.is_initialized() else 0,
@@ -52,7 +54,7 @@ class StructureGuard:
             )
         replan = agree(changed, error, what, group)
         if replan and not changed:
-            logger.info("another rank's structure changed; replanning")
+            logger.log(min(log_level, logging.INFO), "another rank's structure changed; replanning")
         self.previous = current
         return replan
 

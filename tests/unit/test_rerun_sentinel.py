@@ -1,0 +1,59 @@
+"""The rerun state machine emits its ShardedObject in steady state, with upstream semantics."""
+
+from __future__ import annotations
+
+import pytest
+from megatron.core.dist_checkpointing import ShardedObject
+from megatron.core.rerun_state_machine import RerunMode, RerunState, RerunStateMachine
+
+from megatron_ckpt_fixes.rerun import RERUN_STATE_KEY
+
+
+def _machine(mode=RerunMode.VALIDATE_RESULTS) -> RerunStateMachine:
+    return RerunStateMachine(mode=mode)
+
+
+def test_upstream_016_returns_none_in_steady_state(single_rank_group, clean_install):
+    """The upstream behaviour the sentinel fixes (fails once megatron-core emits it itself)."""
+    assert _machine().state_dict(None, "torch_dist") is None
+
+
+def test_sentinel_is_emitted_in_steady_state(single_rank_group, clean_install):
+    clean_install.install(["rerun-sentinel"])
+    sd = _machine().state_dict(None, "torch_dist")
+    assert isinstance(sd["sharded"], ShardedObject)
+    assert sd["sharded"].key == RERUN_STATE_KEY
+    assert (sd["sharded"].global_shape, sd["sharded"].global_offset) == ((1,), (0,))
+    assert sd["state"] == RerunState.NOT_RUNNING_YET
+    assert sd["sharded"].data["data_iterator_checkpoints"] is None
+
+
+def test_sentinel_has_the_fault_checkpoint_structure(single_rank_group, clean_install):
+    clean_install.install(["rerun-sentinel"])
+    steady = _machine()
+    faulted = _machine()
+    faulted.state = RerunState.WILL_RERUN_FROM_CHECKPOINT
+    a, b = steady.state_dict(None, "torch_dist"), faulted.state_dict(None, "torch_dist")
+    assert a.keys() == b.keys() and a["sharded"].data.keys() == b["sharded"].data.keys()
+    assert a["sharded"].unique_key == b["sharded"].unique_key
+
+
+def test_disabled_mode_and_other_formats_still_return_none(single_rank_group, clean_install):
+    clean_install.install(["rerun-sentinel"])
+    assert _machine(RerunMode.DISABLED).state_dict(None, "torch_dist") is None
+    assert _machine().state_dict(None, "torch") is None
+
+
+def test_force_builds_the_load_template_unchanged(single_rank_group, clean_install):
+    upstream = _machine().state_dict(None, "torch_dist", force=True)
+    clean_install.install(["rerun-sentinel"])
+    patched = _machine().state_dict(None, "torch_dist", force=True)
+    assert patched["sharded"].unique_key == upstream["sharded"].unique_key
+    assert patched["sharded"].data == upstream["sharded"].data
+
+
+def test_sentinel_loads_as_a_no_op(single_rank_group, clean_install):
+    clean_install.install(["rerun-sentinel"])
+    sd = _machine().state_dict(None, "torch_dist")
+    sd["sharded"] = sd["sharded"].data
+    assert _machine().validate_state_dict(sd) is False
