@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import os
 import tempfile
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -44,19 +44,53 @@ def test_invalid_sharding_raises_the_same_error_on_every_rank():
     assert "rank 0" in results[0].error
 
 
-def _one_rank_error(rank: int, ws: int) -> str:
-    from megatron_ckpt_fixes.collective import CollectiveError, agree
+def _errors_worker(rank: int, ws: int) -> dict[str, str]:
+    """One process group for several error paths (each spawn imports megatron-core)."""
+    import megatron_ckpt_fixes
+    from megatron.core import dist_checkpointing as dc
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
+    from megatron_ckpt_fixes.collective import CollectiveError, agree
+    from megatron_ckpt_fixes.load_errors import CheckpointLoadError
+
+    megatron_ckpt_fixes.install()
+    out = {}
     assert agree(rank == 1, None, "vote") is True
     assert agree(False, None, "vote") is False
     try:
         agree(False, "key 'emb': cannot plan" if rank == 1 else None, "planning")
     except CollectiveError as exc:
-        return str(exc)
-    return "no error"
+        out["agree"] = str(exc)
+
+    root = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(root, src=0)
+    w = ShardedTensor.from_rank_offsets("w", torch.ones(4), (0, rank, ws))
+    dc.save({"w": w}, root[0])
+    template = {"w": ShardedTensor.from_rank_offsets("w", torch.zeros(4), (0, rank, ws)),
+                "fault": ShardedObject("rerun_state_machine_state", None, (ws,), (rank,))}
+    try:
+        dc.load(template, root[0])
+    except CheckpointLoadError as exc:  # also a CheckpointException
+        out["load"] = str(exc)
+    return out
 
 
-def test_an_error_on_one_rank_is_raised_on_all():
-    results = run_ranks(_one_rank_error, 2, timeout_s=60)
+@pytest.fixture(scope="module")
+def errors():
+    return run_ranks(_errors_worker, 2, timeout_s=120)
+
+
+def test_an_error_on_one_rank_is_raised_on_all(errors):
+    results = errors
     assert results[0].value == results[1].value
-    assert "rank 1: key 'emb': cannot plan" in results[0].value
+    assert "rank 1: key 'emb': cannot plan" in results[0].value["agree"]
+
+
+def test_a_load_mismatch_names_key_rank_and_cause_on_every_rank(errors):
+    results = errors
+    text = results[0].value["load"]
+    assert text == results[1].value["load"]
+    for rank in (0, 1):
+        assert f"rank {rank}: RuntimeError: Missing key in checkpoint state_dict: " \
+               f"rerun_state_machine_state/shard_{rank}_2" in text
+    assert "Traceback" not in text
