@@ -80,8 +80,30 @@ def _experts_run(rank: int, world: int, path: str) -> dict:
     return out
 
 
-def test_experts_wrapped_with_param_mesh_load_another_ranks_shard(tmp_path):
-    results = [r.value for r in run_ranks(_experts_run, 4, str(tmp_path))]
+def _four_rank_run(rank: int, world: int, path: str) -> dict:
+    return {"experts": _experts_run(rank, world, f"{path}/experts"),
+            "strided": _strided_transpose_run(rank, world, f"{path}/strided")}
+
+
+def _two_rank_run(rank: int, world: int, path: str) -> dict:
+    return {"transpose": _transpose_run(rank, world, f"{path}/transpose"),
+            "uneven": _uneven_run(rank, world, f"{path}/uneven")}
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory) -> list[dict]:
+    """One 4-rank (dp=2 x ep/tp=2) run for the expert and _StridedShard cases."""
+    return [r.value for r in run_ranks(_four_rank_run, 4, str(tmp_path_factory.mktemp("4")))]
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory) -> list[dict]:
+    """One 2-rank run for the transpose, uneven-shard and bad-input cases."""
+    return [r.value for r in run_ranks(_two_rank_run, 2, str(tmp_path_factory.mktemp("2")))]
+
+
+def test_experts_wrapped_with_param_mesh_load_another_ranks_shard(four):
+    results = [r["experts"] for r in four]
     # Naive: the ep=0 and ep=1 ranks of one dp row claim the same chunk; one side's experts
     # are dropped at save and that side loads its peer's expert shard (right shape).
     wrong = [r for r in results if r["naive_delta"] > 0]
@@ -122,8 +144,8 @@ def _transpose_run(rank: int, world: int, path: str) -> dict:
     return out
 
 
-def test_transpose_keeping_shard1_fails_with_size_mismatch(tmp_path):
-    results = [r.value for r in run_ranks(_transpose_run, 2, str(tmp_path))]
+def test_transpose_keeping_shard1_fails_with_size_mismatch(two):
+    results = [r["transpose"] for r in two]
     for r in results:
         assert r["naive_shape"] == (4, 12, 4)  # [E, 2*I, H/2] instead of [E, I, H]
         assert r["naive_error"] is not None and "size" in r["naive_error"].lower()
@@ -162,8 +184,8 @@ def _strided_transpose_run(rank: int, world: int, path: str) -> dict:
     return out
 
 
-def test_upstream_shard_only_swap_misses_strided_shard(tmp_path):
-    results = [r.value for r in run_ranks(_strided_transpose_run, 4, str(tmp_path))]
+def test_upstream_shard_only_swap_misses_strided_shard(four):
+    results = [r["strided"] for r in four]
     for r in results:  # Shard(2) on the strided-sharded dim: global [2, 8, 4], saved [2, 4, 8]
         assert "Size mismatch" in r["naive_delta"] and "[2, 8, 4]" in r["naive_delta"]
     for r in results:
@@ -220,14 +242,8 @@ def _error_of(fn, *args) -> tuple[str, str] | None:
     return None
 
 
-@pytest.fixture(scope="module")
-def uneven_results(tmp_path_factory) -> list[dict]:
-    """One 2-rank run for the uneven-shard pair and the bad-input checks."""
-    return [r.value for r in run_ranks(_uneven_run, 2, str(tmp_path_factory.mktemp("uneven")))]
-
-
-def test_uneven_shards_without_shape_break_save(uneven_results):
-    results = uneven_results
+def test_uneven_shards_without_shape_break_save(two):
+    results = [r["uneven"] for r in two]
     # Naive: each rank infers its own global shape, DCP rejects the overlapping chunks.
     assert [r["naive_shape"] for r in results] == [(6, 3), (4, 3)]
     for r in results:
@@ -235,8 +251,8 @@ def test_uneven_shards_without_shape_break_save(uneven_results):
         assert r["fixed_full_delta"] == 0.0 and r["fixed_delta"] == 0.0
 
 
-def test_bad_layouts_raise_the_same_named_error_on_every_rank(uneven_results):
-    results = uneven_results
+def test_bad_layouts_raise_the_same_named_error_on_every_rank(two):
+    results = [r["uneven"] for r in two]
     mesh_err, shape_err, disagree_err = results[0]["bad_input"]
     assert results[1]["bad_input"] == results[0]["bad_input"]  # same error on every rank
     assert all(e[0] == "LayoutAgreementError" for e in results[0]["bad_input"])
