@@ -195,11 +195,11 @@ def load_mch(checkpoint_id: str, prefix: str, module: ZchTable, rows: Mapping[st
     window = SavedWindow(lo, win_bufs[IDS], win_bufs[MAPPING],
                          {m: win_bufs[f"_mch_{m}"] for m in meta}, win_rows)
     spec = ReshardSpec(prefix, saved, target, windows, ownership, score)
-    result = reshard(window, spec, init_rows=rows, group=group)
-    module.set_table(result.table)
+    del win_bufs, win_rows, state
     with torch.no_grad():
-        for k, t in rows.items():
-            t.copy_(result.rows[k])
+        result = reshard(window, spec, out_rows=rows, group=group)
+    del window
+    module.set_table(result.table)
     _set_iter(module, iters)
     logger.info("reshard %s: %d -> %d ranks, rank %d keeps %d ids, evicted %d (all ranks: %d)",
                 prefix, saved.world_size, world, rank, result.report.kept, result.report.evicted,

@@ -149,16 +149,16 @@ def _window_problems(win: SavedWindow, spec: ReshardSpec, rank: int, world: int)
     return out
 
 
-def _local_problems(win: SavedWindow, spec: ReshardSpec, init_rows: Mapping[str, torch.Tensor] | None,
+def _local_problems(win: SavedWindow, spec: ReshardSpec, out_rows: Mapping[str, torch.Tensor] | None,
                     rank: int, world: int) -> list[str]:
     """All checks before the first exchange; a crash in a check is a problem too, not a hang."""
     try:
         out = spec_problems(spec, world) or _window_problems(win, spec, rank, world)
         size = spec.target.size(rank) if not out else 0
-        for name, base in (init_rows or {}).items():
+        for name, base in (out_rows or {}).items():
             if name in win.rows and (base.shape[0] != size or base.shape[1:] != win.rows[name].shape[1:]
                                      or base.dtype != win.rows[name].dtype):
-                out.append(problem(spec.key, rank, f"initial rows {name!r} are {tuple(base.shape)} "
+                out.append(problem(spec.key, rank, f"output rows {name!r} are {tuple(base.shape)} "
                                                    f"{base.dtype}, need {size} rows like the saved ones"))
         return out
     except Exception as exc:  # noqa: BLE001 - reported on every rank by agree()
@@ -179,27 +179,29 @@ def _keep_mask(ids: torch.Tensor, scores: torch.Tensor | None, capacity: int) ->
     return keep
 
 
-def reshard(win: SavedWindow, spec: ReshardSpec, *, init_rows: Mapping[str, torch.Tensor] | None = None,
+def reshard(win: SavedWindow, spec: ReshardSpec, *, out_rows: Mapping[str, torch.Tensor] | None = None,
             group: Any = None) -> ReshardResult:
     """Move this rank's saved window to the value owners; return this rank's new table and rows.
 
-    Collective over ``group``. ``init_rows`` gives the rows of slots no id takes (e.g. the
-    freshly initialised local embedding); zeros otherwise. Raises :class:`ReshardError`
+    Collective over ``group``. ``out_rows`` (this rank's new ``[size, ...]`` row tensors, e.g.
+    the freshly initialised local embedding) are written in place; slots no id takes keep
+    their values. Without them, new zero tensors are returned. Raises :class:`ReshardError`
     on every rank if any rank finds a problem.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     key = spec.key
-    agree_equal(key, "the reshard spec", spec, group)
-    agree(key, _local_problems(win, spec, init_rows, rank, world), group)
+    agree_equal(key, "the reshard spec and column names",
+                (spec, sorted(win.metadata), sorted(win.rows)), group)
+    agree(key, _local_problems(win, spec, out_rows, rank, world), group)
 
     # Phase 1: entries to the owner of their id.
-    real = win.ids != MISS_ID
+    real = (win.ids != MISS_ID).nonzero().squeeze(1)
     meta_names = sorted(win.metadata)
-    columns = [win.ids[real], win.slots[real], *(win.metadata[m][real] for m in meta_names)]
-    got = send_rows(pack(columns), spec.ownership.owner(columns[0], world), group)
-    ids, old_slots, *meta = unpack(got.payload, columns)
-    order = torch.argsort(ids, stable=True)
-    ids, old_slots, meta = ids[order], old_slots[order], [m[order] for m in meta]
+    columns = [win.ids, win.slots, *(win.metadata[m] for m in meta_names)]
+    got = send_rows(columns, spec.ownership.owner(win.ids[real], world), real, group)
+    order = torch.argsort(got.columns[0], stable=True)
+    ids, old_slots, *meta = (c.index_select(0, order) for c in got.columns)
+    del got
     dup = ids[1:] == ids[:-1]
     agree(key, [problem(key, rank, f"id {int(ids[1:][dup][0])} appears {int(dup.sum()) + 1}+ times "
                                    "in the saved table")] if bool(dup.any()) else [], group)
@@ -216,27 +218,31 @@ def reshard(win: SavedWindow, spec: ReshardSpec, *, init_rows: Mapping[str, torc
     req_new = torch.cat([new_slots, torch.tensor([spec.target.miss_slot(rank)])])
     req_kind = torch.cat([torch.full_like(ids, _ENTRY), torch.tensor([_MISS_ROW])])
     holder = torch.searchsorted(torch.tensor(spec.windows[1:-1]), req_old, right=True)
-    asked = send_rows(pack([req_old, req_new, req_kind]), holder, group)
-    a_old, a_new, a_kind = unpack(asked.payload, [req_old, req_new, req_kind])
+    asked = send_rows([req_old, req_new, req_kind], holder, group=group)
+    a_old, a_new, a_kind = asked.columns
     entry_slots = torch.sort(a_old[a_kind == _ENTRY]).values
     dup_slot = entry_slots[1:] == entry_slots[:-1]
     agree(key, [problem(key, rank, f"saved slot {int(entry_slots[1:][dup_slot][0])} is mapped from "
                                    f"{int(dup_slot.sum()) + 1}+ ids")] if bool(dup_slot.any()) else [],
           group)
 
-    # Phase 3: rows back to their new slots.
-    wanted = a_new >= 0
+    # Phase 3: rows back to their new slots, written straight into the output rows. A holder
+    # answers each requester in the order it asked (stable sorts on both sides), so the new
+    # slot of every arriving row is known here and does not travel.
+    wanted = (a_new >= 0).nonzero().squeeze(1)
     row_names = sorted(win.rows)
-    local = a_old[wanted] - win.start
-    reply = [a_new[wanted], *(win.rows[r][local] for r in row_names)]
-    back = send_rows(pack(reply), asked.sources[wanted], group)
-    arrived = unpack(back.payload, reply)
     rows: dict[str, torch.Tensor] = {}
-    for name, values in zip(row_names, arrived[1:]):
-        base = init_rows[name] if init_rows is not None and name in init_rows else None
-        out = base.clone() if base is not None else values.new_zeros((size,) + tuple(values.shape[1:]))
-        out[arrived[0] - start] = values
-        rows[name] = out
+    if row_names:  # agreed: the column names are part of the agreed plan
+        back = send_rows([win.rows[r] for r in row_names], asked.sources.index_select(0, wanted),
+                         a_old.index_select(0, wanted) - win.start, group)
+        del asked, a_old, a_new, a_kind
+        arrival = req_new.index_select(0, torch.argsort(holder, stable=True))
+        targets = arrival[arrival >= 0] - start
+        for name, values in zip(row_names, back.columns):
+            out = out_rows[name] if out_rows is not None and name in out_rows else \
+                values.new_zeros((size,) + tuple(values.shape[1:]))
+            out[targets] = values
+            rows[name] = out
 
     table = _build_table(start, size, ids[keep], [m[keep] for m in meta], meta_names)
     totals = torch.tensor([int((~keep).sum()), kept], dtype=torch.int64)
