@@ -26,10 +26,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
+from .agreement import KeyReport, Problem, RankReport, agree
 from .errors import LayoutAgreementError, PlacementError
-from .placements import (Coord, Shape, check_local_shapes, check_strided_divisible,
-                         contiguous_stride, infer_global_shape, is_sharded,
-                         merge_param_sharding, normalize_placements)
+from .placements import (contiguous_stride, is_sharded, merge_param_sharding,
+                         normalize_placements)
 
 logger = logging.getLogger(__name__)
 
@@ -52,7 +52,6 @@ class WrapPlan:
     """
 
     key: str
-    value: torch.Tensor
     local: torch.Tensor
     mesh: DeviceMesh | None = None
     placements: tuple[Placement, ...] = ()
@@ -75,9 +74,11 @@ def plan_wrap(key: str, value: torch.Tensor, layout: CheckpointLayout, rank: int
     axes merged into the checkpoint mesh axes of the same name.
     """
     local = value.to_local() if isinstance(value, DTensor) else value
+    if layout.mesh.get_coordinate() is None:
+        raise PlacementError(key, rank, f"rank is not part of the checkpoint mesh {layout.mesh}")
     placements = normalize_placements(key, rank, layout.placements, layout.mesh.ndim, local.ndim)
     if not is_sharded(placements):
-        return WrapPlan(key, value, local, keep=True)
+        return WrapPlan(key, local, keep=True)
     if isinstance(value, DTensor) and is_sharded(value.placements):
         names = layout.mesh.mesh_dim_names
         param_names = value.device_mesh.mesh_dim_names
@@ -86,7 +87,7 @@ def plan_wrap(key: str, value: torch.Tensor, layout: CheckpointLayout, rank: int
                                             "layout needs named mesh axes on both meshes")
         placements = merge_param_sharding(key, placements, names, layout.mesh.shape,
                                           value.placements, param_names)
-    return WrapPlan(key, value, local, layout.mesh, placements, layout.global_shape)
+    return WrapPlan(key, local, layout.mesh, placements, layout.global_shape)
 
 
 def wrap_state_dict(state_dict: Mapping[str, Any], layouts: Mapping[str, CheckpointLayout],
@@ -99,86 +100,34 @@ def wrap_state_dict(state_dict: Mapping[str, Any], layouts: Mapping[str, Checkpo
     """
     rank = dist.get_rank()
     plans: dict[str, WrapPlan] = {}
-    errors: list[tuple[str, int | None, str]] = []
+    problems: list[Problem] = []
     for key, layout in layouts.items():
         if key not in state_dict:
             continue
         try:
             plans[key] = plan_wrap(key, state_dict[key], layout, rank)
         except PlacementError as exc:
-            errors.append((key, rank, exc.problem))
-    report = (rank, errors, {k: _describe(p) for k, p in plans.items() if not p.keep})
+            problems.append((key, rank, exc.problem))
+    mine = RankReport(rank, tuple(problems),
+                      {k: _report(p) for k, p in plans.items() if not p.keep})
     reports: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(reports, report, group=group)
-    shapes = _agree(reports)
-    if shapes.errors:
-        raise LayoutAgreementError(shapes.errors)
+    dist.all_gather_object(reports, mine, group=group)
+    verdict = agree(reports)
+    if verdict.problems:
+        raise LayoutAgreementError(list(verdict.problems))
     out = dict(state_dict)
     for key, plan in plans.items():
         if not plan.keep:
             out[key] = from_local_exact(plan.local, plan.mesh, plan.placements,
-                                        shapes.global_shapes[key])
+                                        verdict.global_shapes[key])
     logger.debug("wrapped %d of %d keys with checkpoint layouts", len(plans), len(state_dict))
     return out
 
 
-@dataclass(frozen=True)
-class _Agreement:
-    global_shapes: dict[str, Shape]
-    errors: list[tuple[str, int | None, str]]
-
-
-def _describe(plan: WrapPlan) -> tuple:
-    """What a rank tells the others about one key: its layout and its local shape."""
+def _report(plan: WrapPlan) -> KeyReport:
     mesh = plan.mesh
-    coord = tuple(mesh.get_coordinate() or ())
-    return (tuple(mesh.shape), mesh.mesh.flatten().tolist(), repr(plan.placements),
-            plan.placements, plan.global_shape, coord, tuple(plan.local.shape))
-
-
-def _agree(reports: list[Any]) -> _Agreement:
-    """Compute, identically on every rank, the global shape of every key or the errors."""
-    errors = [e for _, errs, _ in reports for e in errs]
-    by_key: dict[str, dict[int, tuple]] = {}
-    for rank, _, described in reports:
-        for key, desc in described.items():
-            by_key.setdefault(key, {})[rank] = desc
-    global_shapes: dict[str, Shape] = {}
-    failed = {key for key, _, _ in errors}
-    for key in sorted(by_key.keys() - failed):
-        try:
-            global_shapes[key] = _global_shape(key, by_key[key])
-        except PlacementError as exc:
-            errors.append((exc.key, exc.rank, exc.problem))
-    return _Agreement(global_shapes, errors)
-
-
-def _global_shape(key: str, descs: dict[int, tuple]) -> Shape:
-    first_rank = min(descs)
-    mesh_shape, mesh_ranks, placement_repr, placements, given, _, _ = descs[first_rank]
-    for rank, desc in sorted(descs.items()):
-        if desc[:3] != (mesh_shape, mesh_ranks, placement_repr) or desc[4] != given:
-            raise PlacementError(key, rank, f"layout {desc[2]} on mesh {desc[0]} with global "
-                                            f"shape {desc[4]} differs from rank {first_rank}'s "
-                                            f"{placement_repr} on mesh {mesh_shape} with global "
-                                            f"shape {given}")
-    local_shapes: dict[Coord, Shape] = {d[5]: d[6] for d in descs.values()}
-    rank_of = {d[5]: r for r, d in descs.items()}
-    if given is None:
-        global_shape = infer_global_shape(key, local_shapes, mesh_shape, placements)
-    else:
-        global_shape = tuple(given)
-        missing = set(mesh_ranks) - set(descs)
-        if missing:
-            raise PlacementError(key, None, f"ranks {sorted(missing)} of the checkpoint mesh "
-                                            "did not report this key")
-    if len(global_shape) != len(next(iter(local_shapes.values()))):
-        raise PlacementError(key, None, f"global shape {list(global_shape)} has "
-                                        f"{len(global_shape)} dims, local shards have "
-                                        f"{len(next(iter(local_shapes.values())))}")
-    check_local_shapes(key, global_shape, local_shapes, mesh_shape, placements, rank_of)
-    check_strided_divisible(key, global_shape, placements)
-    return global_shape
+    return KeyReport(tuple(mesh.shape), tuple(mesh.mesh.flatten().tolist()), plan.placements,
+                     plan.global_shape, tuple(mesh.get_coordinate()), tuple(plan.local.shape))
 
 
 def copy_into(key: str, dst: torch.Tensor, src: torch.Tensor) -> None:
