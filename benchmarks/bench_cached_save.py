@@ -1,0 +1,120 @@
+"""Cost of the structure check on cached-plan saves, measured side by side in one run.
+
+Two gloo ranks save a state dict of N small ShardedTensors per rank repeatedly with three
+setups, interleaved round by round so they share the machine's conditions:
+
+- upstream uncached: ``TorchDistSaveShardedStrategy(cached_metadata=False)``, plain megatron-core
+- upstream cached:   ``cached_metadata=True``, plain megatron-core (``install(["cpu"])`` only)
+- patched cached:    ``cached_metadata=True`` after ``install()``
+
+Each setup keeps its strategy object across rounds (a warm cache, as in training) and is
+warmed with three saves first. Reported: median save time (max over ranks), ratios, and the
+time of the structure check alone (signature + agreement) as a share of a cached save.
+Targets: patched/upstream cached <= 1.03; check < 2 % of a cached save.
+
+    python benchmarks/bench_cached_save.py [--sizes 5000 50000] [--rounds 7]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+from megatron_ckpt_fixes.testing import run_ranks
+
+SETUPS = {
+    "upstream uncached": (["cpu"], False),
+    "upstream cached": (["cpu"], True),
+    "patched cached": (None, True),
+}
+WARMUP = 3
+
+
+def _state_dict(n: int, rank: int, ws: int) -> dict:
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    return {f"layer{i}.weight": ShardedTensor.from_rank_offsets(
+        f"layer{i}.weight", torch.full((16,), float(i)), (0, rank, ws)) for i in range(n)}
+
+
+def _timed(fn) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    fn()
+    elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
+    return elapsed.item()
+
+
+def _bench(rank: int, ws: int, sizes: list[int], rounds: int, root: str) -> dict:
+    import megatron_ckpt_fixes
+    from megatron.core import dist_checkpointing as dc
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    from tqdm import tqdm
+
+    from megatron_ckpt_fixes.structure import StructureGuard
+
+    results: dict = {}
+    counter = iter(range(10**9))
+
+    def save(sd, strategy):
+        path = os.path.join(root, f"c{next(counter)}")
+        if rank == 0:
+            os.makedirs(path)
+        dist.barrier()
+        dc.save(sd, path, sharded_strategy=strategy)
+
+    for n in sizes:
+        sd = _state_dict(n, rank, ws)
+        strategies = {name: TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=cached)
+                      for name, (_, cached) in SETUPS.items()}
+        times: dict[str, list[float]] = {name: [] for name in SETUPS}
+
+        def use(name):
+            megatron_ckpt_fixes.uninstall()
+            megatron_ckpt_fixes.install(SETUPS[name][0])
+
+        for name in SETUPS:
+            use(name)
+            for _ in range(WARMUP):
+                save(sd, strategies[name])
+        for _ in tqdm(range(rounds), desc=f"{n} tensors/rank", disable=rank != 0):
+            for name in SETUPS:
+                use(name)
+                times[name].append(_timed(lambda: save(sd, strategies[name])))
+        megatron_ckpt_fixes.install()
+        guard = StructureGuard()
+        guard.should_replan(sd, "bench")
+        check = [_timed(lambda: guard.should_replan(sd, "bench")) for _ in range(rounds)]
+        results[n] = {name: statistics.median(t) for name, t in times.items()}
+        results[n]["structure check"] = statistics.median(check)
+    return results
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--sizes", type=int, nargs="+", default=[5000, 50000])
+    parser.add_argument("--rounds", type=int, default=7)
+    args = parser.parse_args()
+    root = os.environ.get("MCF_BENCH_DIR") or tempfile.mkdtemp(
+        dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
+    res = run_ranks(_bench, 2, args.sizes, args.rounds, root, timeout_s=7200,
+                    collective_timeout_s=1800)[0].value
+    print(f"\nmedian save time over {args.rounds} rounds, 2 gloo ranks (max over ranks)")
+    print(f"{'tensors/rank':>12} {'upstream uncached':>18} {'upstream cached':>16} "
+          f"{'patched cached':>15} {'patched/upstream cached':>24} {'check share':>12}")
+    for n, r in res.items():
+        ratio = r["patched cached"] / r["upstream cached"]
+        share = r["structure check"] / r["patched cached"]
+        print(f"{n:>12} {r['upstream uncached']:>17.3f}s {r['upstream cached']:>15.3f}s "
+              f"{r['patched cached']:>14.3f}s {ratio:>24.3f} {share:>11.2%}")
+
+
+if __name__ == "__main__":
+    main()
