@@ -13,7 +13,8 @@ import math
 from collections.abc import Mapping, Sequence
 
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-from torch.distributed.tensor.placement_types import Partial, Placement, Replicate, Shard, _StridedShard
+from torch.distributed.tensor.placement_types import (Partial, Placement, Replicate, Shard,
+                                                    _StridedShard)
 
 from .errors import PlacementError
 

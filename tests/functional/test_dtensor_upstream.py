@@ -2,7 +2,8 @@
 same round trip through megatron_ckpt_fixes.dtensor (exact on every rank).
 
 1. MLite PR 61: experts wrapped with the FSDP2 parameter mesh instead of the checkpoint
-   mesh -> ranks load another rank's expert shard (right shape, wrong values).
+   mesh -> ranks load another rank's expert shard (right shape, wrong values); the same
+   with the right mesh but the wrong axis passes ``run_check`` and saves wrong values.
 2. NeMo Automodel PR 1691: transpose(1, 2) of expert weights keeping ``Shard(1)`` -> wrong
    global shape, DCP load fails with a size mismatch; upstream's Shard-only swap still
    misses ``_StridedShard``.
@@ -13,7 +14,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Replicate, Shard
@@ -54,9 +54,10 @@ def _experts_run(rank: int, world: int, path: str) -> dict:
     expected = param().to_local()
     out = {}
 
-    # Naive (upstream): wrap with the parameter's own mesh/placements.
+    # Naive (upstream): wrap with the parameter's own mesh/placements; run_check passes.
     src = param()
-    dcp.save({KEY: DTensor.from_local(src.to_local(), src.device_mesh, src.placements)},
+    dcp.save({KEY: DTensor.from_local(src.to_local(), src.device_mesh, src.placements,
+                                      run_check=True)},
              checkpoint_id=f"{path}/naive")
     dst = param()
     dst.to_local().zero_()
@@ -77,29 +78,16 @@ def _experts_run(rank: int, world: int, path: str) -> dict:
     whole = {KEY: torch.zeros_like(full)}
     dcp.load(whole, checkpoint_id=f"{path}/fixed")
     out["fixed_full_delta"] = _delta(whole[KEY], full)
+
+    # The same trap with the right mesh but the wrong axis: the EP slice placed over dp.
+    # Right global shape, run_check passes, and the saved tensor is wrong.
+    ep_slice = _chunk(full, 2, ep, 0).clone()
+    dcp.save({KEY: DTensor.from_local(ep_slice, mesh, (Shard(0), Replicate()), run_check=True)},
+             checkpoint_id=f"{path}/wrong_axis")
+    whole = {KEY: torch.zeros_like(full)}
+    dcp.load(whole, checkpoint_id=f"{path}/wrong_axis")
+    out["wrong_axis_full_delta"] = _delta(whole[KEY], full)
     return out
-
-
-def _four_rank_run(rank: int, world: int, path: str) -> dict:
-    return {"experts": _experts_run(rank, world, f"{path}/experts"),
-            "strided": _strided_transpose_run(rank, world, f"{path}/strided")}
-
-
-def _two_rank_run(rank: int, world: int, path: str) -> dict:
-    return {"transpose": _transpose_run(rank, world, f"{path}/transpose"),
-            "uneven": _uneven_run(rank, world, f"{path}/uneven")}
-
-
-@pytest.fixture(scope="module")
-def four(tmp_path_factory) -> list[dict]:
-    """One 4-rank (dp=2 x ep/tp=2) run for the expert and _StridedShard cases."""
-    return [r.value for r in run_ranks(_four_rank_run, 4, str(tmp_path_factory.mktemp("4")))]
-
-
-@pytest.fixture(scope="module")
-def two(tmp_path_factory) -> list[dict]:
-    """One 2-rank run for the transpose, uneven-shard and bad-input cases."""
-    return [r.value for r in run_ranks(_two_rank_run, 2, str(tmp_path_factory.mktemp("2")))]
 
 
 def test_experts_wrapped_with_param_mesh_load_another_ranks_shard(four):
@@ -108,6 +96,7 @@ def test_experts_wrapped_with_param_mesh_load_another_ranks_shard(four):
     # are dropped at save and that side loads its peer's expert shard (right shape).
     wrong = [r for r in results if r["naive_delta"] > 0]
     assert len(wrong) == 2 and all(r["naive_got_peer_shard"] for r in wrong)
+    assert all(r["wrong_axis_full_delta"] > 0 for r in results)
     # Helper: exact on every rank, and the checkpoint is the true full tensor.
     assert [r["fixed_delta"] for r in results] == [0.0] * 4
     assert [r["fixed_full_delta"] for r in results] == [0.0] * 4
@@ -259,3 +248,26 @@ def test_bad_layouts_raise_the_same_named_error_on_every_rank(two):
     assert "'w' on rank 1" in mesh_err[1] and "2 placements" in mesh_err[1]
     assert "'w' on rank 1" in shape_err[1] and "global shape [6, 3]" in shape_err[1]
     assert "'w' on rank 1" in disagree_err[1] and "differs from rank 0" in disagree_err[1]
+
+
+# ---------------------------------------------------------------- one spawn per world size
+def _four_rank_run(rank: int, world: int, path: str) -> dict:
+    return {"experts": _experts_run(rank, world, f"{path}/experts"),
+            "strided": _strided_transpose_run(rank, world, f"{path}/strided")}
+
+
+def _two_rank_run(rank: int, world: int, path: str) -> dict:
+    return {"transpose": _transpose_run(rank, world, f"{path}/transpose"),
+            "uneven": _uneven_run(rank, world, f"{path}/uneven")}
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory) -> list[dict]:
+    """One 4-rank (dp=2 x ep/tp=2) run for the expert and _StridedShard cases."""
+    return [r.value for r in run_ranks(_four_rank_run, 4, str(tmp_path_factory.mktemp("4")))]
+
+
+@pytest.fixture(scope="module")
+def two(tmp_path_factory) -> list[dict]:
+    """One 2-rank run for the transpose, uneven-shard and bad-input cases."""
+    return [r.value for r in run_ranks(_two_rank_run, 2, str(tmp_path_factory.mktemp("2")))]

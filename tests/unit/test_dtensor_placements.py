@@ -63,7 +63,8 @@ def test_global_shape_inference_ignores_replicated_axes():
 
 def test_local_shape_not_following_chunk_semantics_is_named():
     shapes = {(0,): (2, 4), (1,): (3, 4)}  # 5 rows split 2/3; torch.chunk gives 3/2
-    with pytest.raises(PlacementError, match=r"'w'.*rank 0.*local shape \[2, 4\].*expected \[3, 4\]"):
+    match = r"'w'.*rank 0.*local shape \[2, 4\].*expected \[3, 4\]"
+    with pytest.raises(PlacementError, match=match):
         check_local_shapes("w", infer_global_shape("w", shapes, (2,), [Shard(0)]), shapes,
                            (2,), [Shard(0)], rank_of={(0,): 0, (1,): 1})
 

@@ -37,7 +37,8 @@ def test_unmatched_key_has_no_rule():
 
 
 def test_rule_naming_a_missing_axis_is_named():
-    with pytest.raises(mdt.PlacementError, match=r"'lm_head.weight'.*'tp', not one of \['dp', 'ep'\]"):
+    match = r"'lm_head.weight'.*'tp', not one of \['dp', 'ep'\]"
+    with pytest.raises(mdt.PlacementError, match=match):
         mdt.sharded("*", tp=0).placements("lm_head.weight", MESH)
 
 
