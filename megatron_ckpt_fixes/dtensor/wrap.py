@@ -70,8 +70,9 @@ def from_local_exact(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence
 def plan_wrap(key: str, value: torch.Tensor, layout: CheckpointLayout, rank: int) -> WrapPlan:
     """Decide, on this rank only, how ``value`` is wrapped for the checkpoint.
 
-    A DTensor ``value`` (an FSDP2 parameter) whose own mesh shards it further has its shard
-    axes merged into the checkpoint mesh axes of the same name.
+    A DTensor ``value`` already on the checkpoint mesh must have the checkpoint placements.
+    A DTensor on another mesh (an FSDP2 parameter) whose placements shard the checkpoint
+    shard further has its shard axes merged into the checkpoint mesh axes of the same name.
     """
     local = value.to_local() if isinstance(value, DTensor) else value
     if layout.mesh.get_coordinate() is None:
@@ -79,6 +80,13 @@ def plan_wrap(key: str, value: torch.Tensor, layout: CheckpointLayout, rank: int
     placements = normalize_placements(key, rank, layout.placements, layout.mesh.ndim, local.ndim)
     if not is_sharded(placements):
         return WrapPlan(key, local, keep=True)
+    if isinstance(value, DTensor) and value.device_mesh == layout.mesh:
+        if tuple(value.placements) != placements:
+            raise PlacementError(key, rank, f"already a DTensor on the checkpoint mesh with "
+                                            f"placements {list(value.placements)}, but the "
+                                            f"checkpoint layout says {list(placements)}")
+        return WrapPlan(key, local, layout.mesh, placements,
+                        layout.global_shape or tuple(value.shape))
     if isinstance(value, DTensor) and is_sharded(value.placements):
         names = layout.mesh.mesh_dim_names
         param_names = value.device_mesh.mesh_dim_names
@@ -132,14 +140,16 @@ def _report(plan: WrapPlan) -> KeyReport:
 
 def copy_into(key: str, dst: torch.Tensor, src: torch.Tensor) -> None:
     """Copy loaded values into a parameter's local shard; an empty local shard is a no-op
-    (no gather, no materialization), as is a source that already is the destination."""
+    (no gather, no materialization), as is a source that is the destination's storage."""
     dst_local = dst.to_local() if isinstance(dst, DTensor) else dst
     src_local = src.to_local() if isinstance(src, DTensor) else src
-    if dst_local.numel() == 0 or src_local is dst_local:
+    if dst_local.numel() == 0:
         return
     if dst_local.shape != src_local.shape:
         raise PlacementError(key, dist.get_rank() if dist.is_initialized() else None,
                              f"loaded local shape {list(src_local.shape)} does not match the "
                              f"destination {list(dst_local.shape)}")
+    if (src_local.data_ptr(), src_local.stride()) == (dst_local.data_ptr(), dst_local.stride()):
+        return  # DCP loaded straight into the parameter's storage
     with torch.no_grad():
         dst_local.copy_(src_local)

@@ -148,6 +148,15 @@ def _four_rank_run(rank: int, world: int, path: str) -> dict:
     # 2x2 (dp, ep) -> 2x2 (ep, dp): every rank's EP coordinate and merge order change.
     mesh_a2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "dp"))
     out["a_to_a2"] = _load_into(_state_2d, mesh_a2, TABLE_2D, f"{path}/a")
+    # A DTensor already on the checkpoint mesh: kept if its placements agree, else refused.
+    lm = wrapped["lm_head.weight"]
+    same = mdt.wrap_state_dict({"lm": lm}, {"lm": mdt.CheckpointLayout(mesh_a, lm.placements)})
+    out["same_mesh"] = (tuple(same["lm"].shape), same["lm"].to_local().data_ptr() == lm.to_local().data_ptr())
+    try:
+        mdt.wrap_state_dict({"lm": lm}, {"lm": mdt.CheckpointLayout(mesh_a, (Shard(0),) * 2)})
+        out["same_mesh_other_placements"] = None
+    except mdt.LayoutAgreementError as exc:
+        out["same_mesh_other_placements"] = str(exc)
     # 4 -> save again (rank 3 saves its empty expert shard) for the 2-rank run.
     state_b = _state_1d(mesh_b)
     mdt.save(state_b, f"{path}/b", TABLE_1D.layouts(state_b, mesh_b))
@@ -243,6 +252,9 @@ def test_checkpoint_layout_from_rules_and_fsdp_merge(runs):
     assert placements["layers.0.mlp.experts.w2"] == (
         ("dp", "ep"), (_StridedShard(0, split_factor=2), Shard(0)))
     assert [r["full"] for r in four] == [{k: 0.0 for k in FULL_SHAPES}] * 4
+    assert [r["same_mesh"] for r in four] == [((5, 4), True)] * 4
+    assert all("'lm'" in r["same_mesh_other_placements"] and "already a DTensor" in
+               r["same_mesh_other_placements"] for r in four)
 
 
 def test_2x2_to_4_with_empty_expert_shard(runs):
