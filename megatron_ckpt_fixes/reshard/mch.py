@@ -28,7 +28,7 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, init_f
 from .errors import ReshardError, agree, agree_equal, problem
 from .ownership import BlockOwnership, KeyOwnership
 from .resharder import ReshardReport, ReshardSpec, SavedWindow, reshard
-from .table import MISS_ID, SlotRanges, TableShard
+from .table import MISS_ID, SlotRanges, TableShard, even_bounds
 
 logger = logging.getLogger(__name__)
 
@@ -168,43 +168,52 @@ def load_mch(checkpoint_id: str, prefix: str, module: ZchTable, rows: Mapping[st
     saved = _agreed(prefix, "the saved layout",
                     lambda: saved_ranges(checkpoint_id, prefix, meta, list(rows)), group)
     target = _agreed(prefix, "the current layout", lambda: _current_ranges(prefix, module, group), group)
-    buffers = (IDS, MAPPING, *(f"_mch_{m}" for m in meta))
-    iters = torch.zeros(saved.world_size, dtype=torch.int64)
+    names = (IDS, MAPPING, *(f"_mch_{m}" for m in meta))
     if saved == target:
-        state = {f"{prefix}.{b}": sharded_rows(getattr(module, b), target.start(rank), target.total, group)
-                 for b in buffers}
-        state.update({k: sharded_rows(t, target.start(rank), target.total, group) for k, t in rows.items()})
-        state[f"{prefix}.{ITER}"] = iters
-        dcp.load(state, checkpoint_id=checkpoint_id, process_group=group)
+        buffers = {b: getattr(module, b) for b in names}
+        iters = _read(checkpoint_id, prefix, buffers, rows, target.start(rank), saved, group)
         agree(prefix, module.table().problems(prefix, rank), group)
-        _set_iter(module, iters)
-        kept = int((getattr(module, IDS) != MISS_ID).sum())
-        kept_total = torch.tensor([kept])
-        dist.all_reduce(kept_total, group=group)
-        return ReshardReport(prefix, rank, kept, kept, 0, 0, int(kept_total[0]))
+        report = _positional_report(prefix, module, rank, group)
+    else:
+        windows = even_bounds(saved.total, world)
+        lo, n = windows[rank], windows[rank + 1] - windows[rank]
+        buffers = {b: torch.empty(n, dtype=torch.int64) for b in names}
+        win_rows = {k: torch.empty((n,) + tuple(t.shape[1:]), dtype=t.dtype) for k, t in rows.items()}
+        iters = _read(checkpoint_id, prefix, buffers, win_rows, lo, saved, group)
+        window = SavedWindow(lo, buffers[IDS], buffers[MAPPING],
+                             {m: buffers[f"_mch_{m}"] for m in meta}, win_rows)
+        del buffers, win_rows
+        with torch.no_grad():
+            result = reshard(window, ReshardSpec(prefix, saved, target, windows, ownership, score),
+                             out_rows=rows, group=group)
+        del window
+        module.set_table(result.table)
+        report = result.report
+    _set_iter(module, iters)
+    logger.info("load %s: %d -> %d ranks (%s), rank %d holds %d ids, evicted %d (all ranks: %d)",
+                prefix, saved.world_size, world, "by position" if saved == target else "by value",
+                rank, report.kept, report.evicted, report.evicted_total)
+    return report
 
-    windows = SlotRanges.even(saved.total, world).bounds if saved.total >= world else \
-        tuple(min(r, saved.total) for r in range(world + 1))
-    lo, n = windows[rank], windows[rank + 1] - windows[rank]
-    win_bufs = {b: torch.empty(n, dtype=torch.int64) for b in buffers}
-    win_rows = {k: torch.empty((n,) + tuple(t.shape[1:]), dtype=t.dtype) for k, t in rows.items()}
-    state = {f"{prefix}.{b}": sharded_rows(t, lo, saved.total, group) for b, t in win_bufs.items()}
-    state.update({k: sharded_rows(t, lo, saved.total, group) for k, t in win_rows.items()})
+
+def _read(checkpoint_id: str, prefix: str, buffers: Mapping[str, torch.Tensor],
+          rows: Mapping[str, torch.Tensor], offset: int, saved: SlotRanges, group: Any) -> torch.Tensor:
+    """One DCP load: saved positions/slots ``[offset, offset + n)`` of every buffer and row
+    tensor into the given tensors; returns the saved per-rank counters."""
+    state: dict[str, Any] = {f"{prefix}.{b}": sharded_rows(t, offset, saved.total, group)
+                             for b, t in buffers.items()}
+    state.update({k: sharded_rows(t, offset, saved.total, group) for k, t in rows.items()})
+    iters = torch.zeros(saved.world_size, dtype=torch.int64)
     state[f"{prefix}.{ITER}"] = iters
     dcp.load(state, checkpoint_id=checkpoint_id, process_group=group)
-    window = SavedWindow(lo, win_bufs[IDS], win_bufs[MAPPING],
-                         {m: win_bufs[f"_mch_{m}"] for m in meta}, win_rows)
-    spec = ReshardSpec(prefix, saved, target, windows, ownership, score)
-    del win_bufs, win_rows, state
-    with torch.no_grad():
-        result = reshard(window, spec, out_rows=rows, group=group)
-    del window
-    module.set_table(result.table)
-    _set_iter(module, iters)
-    logger.info("reshard %s: %d -> %d ranks, rank %d keeps %d ids, evicted %d (all ranks: %d)",
-                prefix, saved.world_size, world, rank, result.report.kept, result.report.evicted,
-                result.report.evicted_total)
-    return result.report
+    return iters
+
+
+def _positional_report(prefix: str, module: ZchTable, rank: int, group: Any) -> ReshardReport:
+    kept = int((getattr(module, IDS) != MISS_ID).sum())
+    kept_total = torch.tensor([kept])
+    dist.all_reduce(kept_total, group=group)
+    return ReshardReport(prefix, rank, kept, kept, 0, 0, int(kept_total[0]))
 
 
 def _current_ranges(prefix: str, module: ZchTable, group: Any) -> SlotRanges:

@@ -20,6 +20,13 @@ from .errors import ReshardError
 MISS_ID: int = torch.iinfo(torch.int64).max
 
 
+def even_bounds(total: int, parts: int) -> tuple[int, ...]:
+    """Bounds of ``total`` split into ``parts`` contiguous pieces differing by at most one
+    (pieces may be empty when ``total < parts``)."""
+    base, extra = divmod(total, parts)
+    return tuple(r * base + min(r, extra) for r in range(parts + 1))
+
+
 @dataclass(frozen=True)
 class SlotRanges:
     """Contiguous global slot ranges, one per rank in rank order: rank r serves
@@ -57,11 +64,7 @@ class SlotRanges:
     @classmethod
     def even(cls, total: int, world_size: int) -> "SlotRanges":
         """``total`` split into ``world_size`` contiguous ranges differing by at most one."""
-        base, extra = divmod(total, world_size)
-        bounds = [0]
-        for r in range(world_size):
-            bounds.append(bounds[-1] + base + (1 if r < extra else 0))
-        return cls(tuple(bounds))
+        return cls(even_bounds(total, world_size))
 
     @property
     def world_size(self) -> int:
@@ -134,7 +137,7 @@ class TableShard:
         if bool(bad.any()):
             out.append(f"{where}: {int(bad.sum())} slots outside [{self.start}, {end}), e.g. "
                        f"{int(self.slots[bad][0])}")
-        elif int(torch.unique(self.slots).numel()) != n:
+        elif bool((torch.bincount(self.slots - self.start, minlength=n) > 1).any()):
             out.append(f"{where}: duplicate slots")
         real = self.ids != MISS_ID
         if bool((self.slots[real] == self.miss_slot).any()):

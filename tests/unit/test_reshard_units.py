@@ -77,6 +77,14 @@ def test_pack_round_trips_mixed_dtypes_and_shapes_bitwise():
     assert [c.shape for c in unpack(pack([c[:0] for c in cols]), cols)][1] == (0, 2)
 
 
+def test_pack_gathers_rows_by_index_into_int64_words():
+    ids, rows = torch.tensor([10, 11, 12, 13]), torch.arange(16, dtype=torch.float32).reshape(4, 4)
+    packed = pack([ids, rows], torch.tensor([3, 0]))
+    assert packed.dtype == torch.int64 and packed.shape == (2, 3)
+    got_ids, got_rows = unpack(packed, [ids, rows])
+    assert got_ids.tolist() == [13, 10] and torch.equal(got_rows, rows[[3, 0]])
+
+
 def test_eviction_keeps_highest_scores_ties_to_lower_ids():
     ids = torch.tensor([1, 2, 3, 4, 5])
     assert _keep_mask(ids, torch.tensor([5, 1, 5, 7, 1]), 3).tolist() == [True, False, True, True, False]
