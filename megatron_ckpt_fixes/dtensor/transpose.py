@@ -60,8 +60,8 @@ def transpose_placements(placements: Sequence[Placement], ndim: int, dim0: int, 
 
 
 def permute(tensor: torch.Tensor, perm: Sequence[int], key: str = "<tensor>") -> torch.Tensor:
-    """``tensor.permute(perm)``; for a DTensor, done on the local shard with the placements,
-    global shape and stride permuted to match."""
+    """``tensor.permute(perm)``; for a DTensor, done on the local shard (a view) with the
+    placements and global shape permuted and the contiguous stride of the new shape."""
     perm = _check_perm(perm, tensor.ndim, key)
     if not isinstance(tensor, DTensor):
         return tensor.permute(perm)

@@ -51,7 +51,6 @@ class WrapPlan:
     ``keep`` means the value goes to DCP as it is (unsharded checkpoint layout).
     """
 
-    key: str
     local: torch.Tensor
     mesh: DeviceMesh | None = None
     placements: tuple[Placement, ...] = ()
@@ -79,13 +78,13 @@ def plan_wrap(key: str, value: torch.Tensor, layout: CheckpointLayout, rank: int
         raise PlacementError(key, rank, f"rank is not part of the checkpoint mesh {layout.mesh}")
     placements = normalize_placements(key, rank, layout.placements, layout.mesh.ndim, local.ndim)
     if not is_sharded(placements):
-        return WrapPlan(key, local, keep=True)
+        return WrapPlan(local, keep=True)
     if isinstance(value, DTensor) and value.device_mesh == layout.mesh:
         if tuple(value.placements) != placements:
             raise PlacementError(key, rank, f"already a DTensor on the checkpoint mesh with "
                                             f"placements {list(value.placements)}, but the "
                                             f"checkpoint layout says {list(placements)}")
-        return WrapPlan(key, local, layout.mesh, placements,
+        return WrapPlan(local, layout.mesh, placements,
                         layout.global_shape or tuple(value.shape))
     if isinstance(value, DTensor) and is_sharded(value.placements):
         names = layout.mesh.mesh_dim_names
@@ -95,7 +94,7 @@ def plan_wrap(key: str, value: torch.Tensor, layout: CheckpointLayout, rank: int
                                             "layout needs named mesh axes on both meshes")
         placements = merge_param_sharding(key, placements, names, layout.mesh.shape,
                                           value.placements, param_names)
-    return WrapPlan(key, local, layout.mesh, placements, layout.global_shape)
+    return WrapPlan(local, layout.mesh, placements, layout.global_shape)
 
 
 def wrap_state_dict(state_dict: Mapping[str, Any], layouts: Mapping[str, CheckpointLayout],
