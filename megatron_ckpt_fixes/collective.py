@@ -19,7 +19,7 @@ from .compat.device import collective_device
 class CollectiveError(RuntimeError):
     """Raised identically on every rank when at least one rank reported an error."""
 
-    def __init__(self, what: str, errors: dict[int, str]) -> None:
+    def __init__(self, what: str, errors: dict[int, Any]) -> None:
         self.what = what
         self.errors = errors
         detail = "\n".join(f"  rank {rank}: {msg}" for rank, msg in sorted(errors.items()))
@@ -32,12 +32,12 @@ def _world(group: Any) -> tuple[int, int]:
     return dist.get_rank(group), dist.get_world_size(group)
 
 
-def agree(flag: bool, error: str | None, what: str, group: Any = None) -> bool:
+def agree(flag: bool, error: Any | None, what: str, group: Any = None) -> bool:
     """Return whether ``flag`` is set on any rank; raise the same error everywhere on failure.
 
     One all_reduce(MAX) of ``[flag, failed]``; only if some rank failed, one
-    ``all_gather_object`` of the error texts so every rank raises the same
-    :class:`CollectiveError` naming each failing rank and its cause.
+    ``all_gather_object`` of the errors (a text, or any picklable report) so every rank
+    raises the same :class:`CollectiveError` naming each failing rank and its cause.
     """
     rank, world = _world(group)
     if world == 1:

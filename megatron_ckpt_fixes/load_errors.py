@@ -1,11 +1,12 @@
 """A checkpoint that cannot be loaded as asked says which key, on which rank, and why.
 
-DCP already fails a load on every rank together (its planning gathers all ranks'
-failures), but what reaches the user is a wall of per-rank tracebacks. The patched
-``dist_checkpointing.load`` raises :class:`CheckpointLoadError` instead: one line per
-failing rank naming the cause (which names the key), the same text on every rank. It
-subclasses ``CheckpointException`` so existing handlers keep working, and keeps the
-original failures (with tracebacks) in ``failures``.
+With megatron-core 0.16 a failed load raises DCP's ``CheckpointException`` on every rank as a
+wall of per-rank tracebacks; with 0.19 load planning is rank-local, so only the rank whose
+key is missing raises and the others carry on with a partial load. The patched
+``dist_checkpointing.load`` agrees on the outcome: each rank contributes its own cause and
+every rank raises the same :class:`CheckpointLoadError`, one line per failing rank naming
+the cause (which names the key). It subclasses ``CheckpointException`` so existing handlers
+keep working; the local failures (with tracebacks) stay in ``failures``.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
+import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
 from ._patching import Patch
+from .collective import CollectiveError, agree
 
 _HINTS = {
     "Missing key in checkpoint state_dict": "the checkpoint has no entry for this key: it was "
@@ -34,26 +37,55 @@ def _cause(exc: BaseException) -> str:
 class CheckpointLoadError(CheckpointException):
     """Raised on every rank when a checkpoint cannot be loaded as requested."""
 
-    def __init__(self, checkpoint_dir: Any, failures: dict[int, Any]) -> None:
-        super().__init__(f"cannot load {checkpoint_dir}", failures)
-        lines = [f"  rank {rank}: {_cause(exc)}" for rank, (exc, _trace) in
-                 sorted(failures.items())]
+    def __init__(self, checkpoint_dir: Any, causes: dict[int, str],
+                 local_failures: dict[int, Any]) -> None:
+        super().__init__(f"cannot load {checkpoint_dir}", local_failures)
+        self.causes = causes
+        lines = [f"  rank {rank}: {cause}" for rank, cause in sorted(causes.items())]
         self.summary = (f"cannot load checkpoint {checkpoint_dir} as requested; "
-                        f"{len(failures)} rank(s) failed:\n" + "\n".join(lines))
+                        f"{len(causes)} rank(s) failed:\n" + "\n".join(lines))
 
     def __str__(self) -> str:
         return self.summary
 
 
+def _report(exc: BaseException, rank: int) -> tuple[dict[int, str], dict[int, Any]]:
+    """The failures this rank saw, keyed as its exception keyed them, and the raw ones."""
+    if isinstance(exc, CheckpointException):
+        return {r: _cause(e) for r, (e, _tb) in exc.failures.items()}, exc.failures
+    return {rank: _cause(exc)}, {rank: (exc, None)}
+
+
+def attribute(reports: dict[int, dict[int, str]]) -> dict[int, str]:
+    """Which rank failed and why, from what each failing rank saw.
+
+    A load that planned collectively (megatron-core 0.16) gives every rank the same gathered
+    failures, keyed by the real ranks. A rank-local load (0.19 loads with ``no_dist``) keys
+    its own failures as rank 0 and only the failing ranks see anything: then each failure
+    belongs to the rank that saw it.
+    """
+    views = list(reports.values())
+    if len(views) > 1 and all(view == views[0] for view in views):
+        return dict(sorted(views[0].items()))
+    return {rank: "; ".join(sorted(set(view.values()))) for rank, view in sorted(reports.items())}
+
+
 def clear_load_errors(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def load(sharded_state_dict: Any, checkpoint_dir: Any, *args: Any, **kwargs: Any) -> Any:
+        rank = dist.get_rank() if dist.is_initialized() else 0
+        report: dict[int, str] | None = None
+        failures: dict[int, Any] = {}
+        result = None
         try:
-            return original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
-        except CheckpointLoadError:
-            raise
-        except CheckpointException as exc:
-            raise CheckpointLoadError(checkpoint_dir, exc.failures) from exc
+            result = original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+        except (CheckpointException, Exception) as exc:  # noqa: BLE001 - agreed below
+            report, failures = _report(exc, rank)
+        try:
+            agree(False, report, f"loading {checkpoint_dir}")
+        except CollectiveError as exc:
+            raise CheckpointLoadError(checkpoint_dir, attribute(exc.errors), failures) from None
+        return result
 
     return load
 

@@ -79,9 +79,11 @@ def test_upstream_still_fails(upstream_in_step, run):
     outcomes = [per_rank[_name(run)] for per_rank in upstream_in_step]
     stage = UPSTREAM_FAILS_AT[run]
     if stage == "load":
-        assert all(o.save_error is None and o.load_error for o in outcomes), outcomes
-        assert any("Missing key" in o.load_error or "shape" in o.load_error.lower()
-                   or "size" in o.load_error.lower() for o in outcomes)
+        # 0.16 fails the load on every rank; 0.19 only on the rank whose key changed.
+        assert all(o.save_error is None for o in outcomes), outcomes
+        errors = [o.load_error for o in outcomes if o.load_error]
+        assert errors and any("Missing key" in e or "shape" in e.lower() or "size" in e.lower()
+                              for e in errors), outcomes
     elif stage == "values":
         assert all(o.load_error is None for o in outcomes) and any(o.wrong_values for o in outcomes)
     else:

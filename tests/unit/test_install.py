@@ -99,3 +99,13 @@ def test_restore_of_inherited_attribute_deletes_override():
         assert _raw(Child, "f") is _MISSING and Child().f() == "base"
     finally:
         del sys.modules["mcf_test_mod"]
+
+
+def test_load_failures_are_attributed_to_the_rank_that_failed():
+    from megatron_ckpt_fixes.load_errors import attribute
+
+    gathered = {0: "missing a/shard_0_2", 1: "missing a/shard_1_2"}
+    assert attribute({0: gathered, 1: dict(gathered)}) == gathered  # collective load (0.16)
+    local = {0: {0: "missing a/shard_0_2"}, 1: {0: "missing a/shard_1_2"}}
+    assert attribute(local) == gathered  # rank-local loads (0.19, no_dist)
+    assert attribute({1: {0: "missing b"}}) == {1: "missing b"}  # only rank 1 failed

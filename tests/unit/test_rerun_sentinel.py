@@ -7,15 +7,22 @@ from megatron.core.dist_checkpointing import ShardedObject
 from megatron.core.rerun_state_machine import RerunMode, RerunState, RerunStateMachine
 
 from megatron_ckpt_fixes.rerun import RERUN_STATE_KEY
+from megatron_ckpt_fixes.rerun.sentinel import upstream_lacks_sentinel
 
 
 def _machine(mode=RerunMode.VALIDATE_RESULTS) -> RerunStateMachine:
     return RerunStateMachine(mode=mode)
 
 
-def test_upstream_016_returns_none_in_steady_state(single_rank_group, clean_install):
-    """The upstream behaviour the sentinel fixes (fails once megatron-core emits it itself)."""
-    assert _machine().state_dict(None, "torch_dist") is None
+def test_upstream_steady_state_matches_the_version_gate(single_rank_group, clean_install):
+    """Upstream < 0.17 returns None in steady state (the bug); >= 0.17 emits the sentinel
+    itself, and then install() leaves the state machine alone."""
+    upstream = _machine().state_dict(None, "torch_dist")
+    if upstream_lacks_sentinel():
+        assert upstream is None
+    else:
+        assert upstream["sharded"].key == RERUN_STATE_KEY
+        assert "rerun.sentinel" not in clean_install.install()
 
 
 def test_sentinel_is_emitted_in_steady_state(single_rank_group, clean_install):
