@@ -165,8 +165,9 @@ def load_mch(checkpoint_id: str, prefix: str, module: ZchTable, rows: Mapping[st
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     meta = module.metadata_names
-    saved = _agreed(prefix, "the saved layout",
-                    lambda: saved_ranges(checkpoint_id, prefix, meta, list(rows)), group)
+    saved, _, _ = _agreed(prefix, "the saved layout and the columns to load",
+                          lambda: (saved_ranges(checkpoint_id, prefix, meta, list(rows)), meta,
+                                   sorted(rows)), group)
     target = _agreed(prefix, "the current layout", lambda: _current_ranges(prefix, module, group), group)
     names = (IDS, MAPPING, *(f"_mch_{m}" for m in meta))
     if saved == target:

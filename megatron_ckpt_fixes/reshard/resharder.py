@@ -14,7 +14,8 @@ problem found on one rank is raised on all:
 1. entries (id, old slot, metadata) go to the owner of their id;
 2. each owner keeps what fits (evicting the lowest scores), assigns new slots and asks the
    rank holding each old slot's rows for them (old slot, new slot);
-3. the row holders send the rows back, tagged with the new slot.
+3. the row holders send the rows back in the order they were asked, so each requester
+   knows the new slot of every row that arrives.
 """
 
 from __future__ import annotations
@@ -88,8 +89,8 @@ class ReshardResult:
     report: ReshardReport
 
 
-def spec_problems(spec: ReshardSpec, world_size: int) -> list[str]:
-    """Shape errors of a spec: they are the same on every rank (the spec is agreed)."""
+def spec_problems(spec: ReshardSpec, rank: int, world_size: int) -> list[str]:
+    """Shape errors of a spec: every rank finds the same ones (the spec is agreed)."""
     out = []
     w = spec.windows
     if spec.target.world_size != world_size:
@@ -97,7 +98,7 @@ def spec_problems(spec: ReshardSpec, world_size: int) -> list[str]:
     if len(w) != world_size + 1 or w[0] != 0 or w[-1] != spec.saved.total or any(
             b < a for a, b in zip(w, w[1:])):
         out.append(f"read windows {w} do not tile the saved table [0, {spec.saved.total})")
-    return [problem(spec.key, -1, cause) for cause in out]
+    return [problem(spec.key, rank, cause) for cause in out]
 
 
 def _window_problems(win: SavedWindow, spec: ReshardSpec, rank: int, world: int) -> list[str]:
@@ -105,6 +106,8 @@ def _window_problems(win: SavedWindow, spec: ReshardSpec, rank: int, world: int)
     key = spec.key
     n = int(win.ids.numel())
     lo, hi = spec.windows[rank], spec.windows[rank + 1]
+    if win.ids.dtype != torch.int64 or win.slots.dtype != torch.int64:
+        return [problem(key, rank, f"ids and slots must be int64, got {win.ids.dtype}, {win.slots.dtype}")]
     if win.start != lo or n != hi - lo:
         return [problem(key, rank, f"window holds [{win.start}, {win.start + n}), plan says [{lo}, {hi})")]
     out = [problem(key, rank, f"column {name!r} has {col.shape[0]} rows, window has {n}")
@@ -153,8 +156,10 @@ def _local_problems(win: SavedWindow, spec: ReshardSpec, out_rows: Mapping[str, 
                     rank: int, world: int) -> list[str]:
     """All checks before the first exchange; a crash in a check is a problem too, not a hang."""
     try:
-        out = spec_problems(spec, world) or _window_problems(win, spec, rank, world)
-        size = spec.target.size(rank) if not out else 0
+        out = spec_problems(spec, rank, world) or _window_problems(win, spec, rank, world)
+        if out:
+            return out
+        size = spec.target.size(rank)
         for name, base in (out_rows or {}).items():
             if name in win.rows and (base.shape[0] != size or base.shape[1:] != win.rows[name].shape[1:]
                                      or base.dtype != win.rows[name].dtype):

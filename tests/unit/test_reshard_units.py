@@ -8,7 +8,7 @@ import torch
 from megatron_ckpt_fixes.reshard import (
     MISS_ID, BlockOwnership, ModuloOwnership, ReshardError, SlotRanges, TableShard,
 )
-from megatron_ckpt_fixes.reshard.exchange import pack, unpack
+from megatron_ckpt_fixes.reshard.exchange import pack_blocks, unpack_blocks, word_for
 from megatron_ckpt_fixes.reshard.resharder import _keep_mask
 from megatron_ckpt_fixes.reshard.upstream import slot_routed_tables
 
@@ -66,23 +66,23 @@ def test_block_ownership_follows_fbgemm_block_bucketize():
     assert ModuloOwnership().owner(torch.tensor([0, 4, 5]), 3).tolist() == [0, 1, 2]
 
 
-def test_pack_round_trips_mixed_dtypes_and_shapes_bitwise():
-    cols = [torch.tensor([1, -2, MISS_ID]), torch.tensor([[0.5, float("nan")], [1.0, -0.0], [3, 4]]),
-            torch.arange(3, dtype=torch.float64), torch.tensor([[True], [False], [True]])]
-    back = unpack(pack(cols), cols)
+def test_blocks_round_trip_mixed_dtypes_and_shapes_bitwise():
+    cols = [torch.tensor([1, -2, MISS_ID, 7]),
+            torch.tensor([[0.5, float("nan")], [1.0, -0.0], [3, 4], [5, 6]]),
+            torch.arange(4, dtype=torch.float64), torch.tensor([[True], [False], [True], [True]])]
+    order, counts = torch.tensor([2, 0, 3, 1]), [1, 0, 3]
+    assert word_for(cols) == torch.uint8 and word_for(cols[:3]) == torch.int64
+    back = unpack_blocks(pack_blocks(cols, order, counts), counts, cols)
     for a, b in zip(cols, back):
         assert a.dtype == b.dtype and a.shape == b.shape
-        assert torch.equal(a.view(torch.uint8) if a.dtype != torch.bool else a,
-                           b.view(torch.uint8) if b.dtype != torch.bool else b)
-    assert [c.shape for c in unpack(pack([c[:0] for c in cols]), cols)][1] == (0, 2)
+        assert torch.equal(a[order].view(torch.uint8), b.view(torch.uint8))
 
 
-def test_pack_gathers_rows_by_index_into_int64_words():
-    ids, rows = torch.tensor([10, 11, 12, 13]), torch.arange(16, dtype=torch.float32).reshape(4, 4)
-    packed = pack([ids, rows], torch.tensor([3, 0]))
-    assert packed.dtype == torch.int64 and packed.shape == (2, 3)
-    got_ids, got_rows = unpack(packed, [ids, rows])
-    assert got_ids.tolist() == [13, 10] and torch.equal(got_rows, rows[[3, 0]])
+def test_blocks_lay_out_each_destination_column_by_column():
+    ids, rows = torch.tensor([10, 11, 12]), torch.tensor([[1, 2], [3, 4], [5, 6]])
+    flat = pack_blocks([ids, rows], torch.tensor([2, 0, 1]), [2, 1])
+    assert flat.tolist() == [12, 10, 5, 6, 1, 2, 11, 3, 4]
+    assert [t.shape for t in unpack_blocks(flat[:0], [0, 0], [ids, rows])] == [(0,), (0, 2)]
 
 
 def test_eviction_keeps_highest_scores_ties_to_lower_ids():
