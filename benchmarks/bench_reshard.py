@@ -4,7 +4,7 @@ A managed-collision table of 10 million admitted ids (12 million slots, embeddin
 one optimizer-state row per slot) is saved with DCP at 4 ranks, loaded at 3 (plain positional
 DCP load of the same bytes, then the value-aware reshard), saved again at 3 and loaded at 4
 the same two ways. After 4 -> 3 -> 4 every rank checks that each of its original ids looks up
-bitwise its original rows. Prints, per rank, wall time and peak RSS growth (peak minus the RSS before the load) of both,
+bitwise its original rows. Prints, per rank, wall time, CPU time (less sensitive to other load on a shared machine) and peak RSS growth (peak minus the RSS before the load) of both,
 and the ratios. A warm-up plain load runs first so both measured loads read from the page cache.
 
 Not a test (no timings are asserted). Run: ``python benchmarks/bench_reshard.py`` (~2-3 min
@@ -103,8 +103,9 @@ def load_both(rank: int, world: int, ckpt: str, out_ckpt: str | None, ids: int, 
     plain_load(rank, world, ckpt, slots)  # warm-up: page cache and code paths, for both runs
     dist.barrier()
     with PeakRss() as plain_mem:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         plain_load(rank, world, ckpt, slots)
+        plain_cpu = time.process_time() - c0
         dist.barrier()
         plain_s = time.perf_counter() - t0
     ranges = SlotRanges.even(slots, world)
@@ -112,8 +113,9 @@ def load_both(rank: int, world: int, ckpt: str, out_ckpt: str | None, ids: int, 
     rows = {k: torch.zeros(ranges.size(rank), DIM) for k in (EMB, OPT)}
     dist.barrier()
     with PeakRss() as reshard_mem:
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         report = load_mch(ckpt, PREFIX, module, rows, ownership=BlockOwnership(hash_size))
+        reshard_cpu = time.process_time() - c0
         dist.barrier()
         reshard_s = time.perf_counter() - t0
     wrong = -1
@@ -126,7 +128,8 @@ def load_both(rank: int, world: int, ckpt: str, out_ckpt: str | None, ids: int, 
     if out_ckpt is not None:
         dcp.save(mch_state_dict(PREFIX, module, rows), checkpoint_id=out_ckpt)
     mib = 1 << 20
-    return {"plain_s": plain_s, "reshard_s": reshard_s,
+    return {"plain_s": plain_s, "reshard_s": reshard_s, "plain_cpu": plain_cpu,
+            "reshard_cpu": reshard_cpu,
             "plain_peak": (plain_mem.peak - plain_mem.before) / mib,
             "reshard_peak": (reshard_mem.peak - reshard_mem.before) / mib, "base": plain_mem.before / mib,
             "evicted": report.evicted_total, "kept": report.kept_total, "wrong": wrong,
@@ -154,11 +157,13 @@ def main() -> None:
     lines = [f"ZCH table: {args.ids:,} ids, {args.slots:,} slots, dim {DIM} (+1 optimizer row "
              f"per slot); torch {torch.__version__}, {os.cpu_count()} CPUs",
              f"{'direction':<9} {'rank':>4} {'DCP load s':>10} {'reshard s':>9} {'time x':>6} "
+             f"{'DCP cpu s':>9} {'reshard cpu s':>13} "
              f"{'DCP +peak MiB':>13} {'reshard +peak MiB':>17} {'mem x':>5} {'base MiB':>8}"]
     for name, results in (("4 -> 3", down), ("3 -> 4", up)):
         for rank, r in enumerate(results):
             lines.append(f"{name:<9} {rank:>4} {r['plain_s']:>10.2f} {r['reshard_s']:>9.2f} "
-                         f"{r['reshard_s'] / r['plain_s']:>6.2f} {r['plain_peak']:>13.0f} "
+                         f"{r['reshard_s'] / r['plain_s']:>6.2f} {r['plain_cpu']:>9.2f} {r['reshard_cpu']:>13.2f} "
+                         f"{r['plain_peak']:>13.0f} "
                          f"{r['reshard_peak']:>17.0f} {r['reshard_peak'] / r['plain_peak']:>5.2f} "
                          f"{r['base']:>8.0f}")
     lines.append(f"4 -> 3: kept {down[0]['kept']:,}, evicted {down[0]['evicted']}; "

@@ -118,37 +118,44 @@ def _window_problems(win: SavedWindow, spec: ReshardSpec, rank: int, world: int)
     if spec.score is not None and spec.score not in win.metadata:
         out.append(problem(key, rank, f"eviction score column {spec.score!r} not in metadata "
                                       f"{sorted(win.metadata)}"))
-    pos = torch.arange(lo, hi)
-    chunk = spec.saved.rank_of(pos)
-    bounds = torch.tensor(spec.saved.bounds)
-    c_lo, c_hi = bounds[chunk], bounds[chunk + 1]
+    for chunk in range(spec.saved.world_size):  # the saved ranks this window overlaps
+        c_lo, c_hi = spec.saved.start(chunk), spec.saved.end(chunk)
+        a, b = max(lo, c_lo), min(hi, c_hi)
+        if a < b:
+            out += _segment_problems(key, rank, chunk, c_lo, c_hi, a, win.ids[a - lo:b - lo],
+                                     win.slots[a - lo:b - lo])
     real = win.ids != MISS_ID
-    bad = real & ((win.slots < c_lo) | (win.slots >= c_hi))
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        out.append(problem(key, rank, f"{int(bad.sum())} out-of-range slots, e.g. id {int(win.ids[i])} "
-                                      f"at saved position {lo + i} maps to slot {int(win.slots[i])}, "
-                                      f"saved rank {int(chunk[i])} serves [{int(c_lo[i])}, {int(c_hi[i])})"))
-    taken = real & (win.slots == c_hi - 1)
-    if bool(taken.any()):
-        i = int(taken.nonzero()[0])
-        out.append(problem(key, rank, f"id {int(win.ids[i])} holds the reserved miss slot "
-                                      f"{int(win.slots[i])} of saved rank {int(chunk[i])}"))
-    last = real & (pos == c_hi - 1)
-    if bool(last.any()):
-        i = int(last.nonzero()[0])
-        out.append(problem(key, rank, f"the reserved last position {lo + i} of saved rank "
-                                      f"{int(chunk[i])} holds id {int(win.ids[i])}, not the miss id"))
-    unsorted = (win.ids[1:] < win.ids[:-1]) & (chunk[1:] == chunk[:-1])
-    if bool(unsorted.any()):
-        i = int(unsorted.nonzero()[0])
-        out.append(problem(key, rank, f"ids of saved rank {int(chunk[i])} are not sorted at "
-                                      f"position {lo + i + 1}"))
     owners = spec.ownership.owner(win.ids[real], world)
     wrong = (owners < 0) | (owners >= world)
     if bool(wrong.any()):
         out.append(problem(key, rank, f"ownership rule sends id {int(win.ids[real][wrong][0])} to rank "
                                       f"{int(owners[wrong][0])}, outside [0, {world})"))
+    return out
+
+
+def _segment_problems(key: str, rank: int, chunk: int, c_lo: int, c_hi: int, first: int,
+                      ids: torch.Tensor, slots: torch.Tensor) -> list[str]:
+    """Checks of saved positions ``first ...`` of saved rank ``chunk`` (serving
+    ``[c_lo, c_hi)``): slots in range, the miss slot and the last position kept free, sorted."""
+    out = []
+    real = ids != MISS_ID
+    where = f"saved rank {chunk} (slots [{c_lo}, {c_hi}))"
+    bad = real & ((slots < c_lo) | (slots >= c_hi))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        out.append(problem(key, rank, f"{int(bad.sum())} out-of-range slots in {where}, e.g. id "
+                                      f"{int(ids[i])} at position {first + i} maps to slot {int(slots[i])}"))
+    taken = real & (slots == c_hi - 1)
+    if bool(taken.any()):
+        out.append(problem(key, rank, f"id {int(ids[taken][0])} holds the reserved miss slot "
+                                      f"{c_hi - 1} of {where}"))
+    if first + ids.numel() == c_hi and bool(real[-1]):
+        out.append(problem(key, rank, f"the reserved last position {c_hi - 1} of {where} holds id "
+                                      f"{int(ids[-1])}, not the miss id"))
+    unsorted = ids[1:] < ids[:-1]
+    if bool(unsorted.any()):
+        out.append(problem(key, rank, f"ids of {where} are not sorted at position "
+                                      f"{first + int(unsorted.nonzero()[0]) + 1}"))
     return out
 
 
