@@ -15,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 
 from megatron_ckpt_fixes.reshard import (
     MISS_ID, BlockOwnership, ModuloOwnership, ReshardError, ReshardSpec, SavedWindow, SlotRanges, TableShard,
-    ZchTable, load_mch, mch_state_dict, reshard,
+    ZchTable, load_mch, mch_state_dict, reshard, saved_ranges,
 )
 from megatron_ckpt_fixes.reshard.upstream import slot_routed_tables
 from megatron_ckpt_fixes.testing import run_ranks
@@ -109,8 +109,7 @@ def load_rank(rank: int, world: int, saved_bounds: tuple[int, ...], seed: int, f
     block = -(-H // world)
     candidates = torch.arange(rank * block, min((rank + 1) * block, H))
     unknown = candidates[~torch.isin(candidates, torch.tensor(sorted(before)))][:50]
-    saved_ranges = SlotRanges(saved_bounds)
-    miss_src, miss_rows = saved_shard(saved_bounds, rank % saved_ranges.world_size, seed, fill)
+    miss_src, miss_rows = saved_shard(saved_bounds, rank % (len(saved_bounds) - 1), seed, fill)
     miss_row_kept = torch.equal(rows[EMB][size - 1], miss_rows[EMB][miss_src.size - 1])
     return {
         "owned": int(mine.numel()), "found": int(found.sum()), "found_ids": mine[found].tolist(),
@@ -120,6 +119,7 @@ def load_rank(rank: int, world: int, saved_bounds: tuple[int, ...], seed: int, f
         "problems": module.table().problems(PREFIX, rank), "report": report,
         "segments_ok": module.validate_state() is None,
         "kept_counts": counts[module._mch_sorted_raw_ids != MISS_ID].tolist(),
+        "saved_layout": saved_ranges(ckpt, PREFIX, ("counts",), (EMB, OPT)).bounds,
     }
 
 
@@ -251,6 +251,7 @@ def test_reshard_keeps_every_id_exact(runs, case):
         assert r["unknown_hit_miss"] and r["miss_row_kept"] and r["segments_ok"]
         assert r["counter"] == ITER
         assert r["report"].evicted == 0 and r["report"].kept_total == len(before)
+        assert r["saved_layout"] == saved  # from the DCP chunk metadata, not from file names
 
 
 def test_full_destination_evicts_lowest_counts(runs):
