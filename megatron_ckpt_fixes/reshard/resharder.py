@@ -83,13 +83,15 @@ class ReshardReport:
 
 @dataclass(frozen=True)
 class ReshardResult:
+    """This rank's new table, its rows (by local slot), and the ids it had to evict."""
+
     table: TableShard
     rows: dict[str, torch.Tensor]
     evicted_ids: torch.Tensor
     report: ReshardReport
 
 
-def spec_problems(spec: ReshardSpec, rank: int, world_size: int) -> list[str]:
+def _spec_problems(spec: ReshardSpec, rank: int, world_size: int) -> list[str]:
     """Shape errors of a spec: every rank finds the same ones (the spec is agreed)."""
     out = []
     w = spec.windows
@@ -163,7 +165,7 @@ def _local_problems(win: SavedWindow, spec: ReshardSpec, out_rows: Mapping[str, 
                     rank: int, world: int) -> list[str]:
     """All checks before the first exchange; a crash in a check is a problem too, not a hang."""
     try:
-        out = spec_problems(spec, rank, world) or _window_problems(win, spec, rank, world)
+        out = _spec_problems(spec, rank, world) or _window_problems(win, spec, rank, world)
         if out:
             return out
         size = spec.target.size(rank)
@@ -229,6 +231,8 @@ def reshard(win: SavedWindow, spec: ReshardSpec, *, out_rows: Mapping[str, torch
     new_slots = torch.full_like(ids, -1)
     new_slots[keep] = start + torch.arange(kept)
     miss_row = spec.saved.miss_slot(rank % spec.saved.world_size)
+    # Evicted entries still ask (new slot -1, no row comes back), so the holder sees every
+    # use of a saved slot and finds duplicates; the extra request fetches the miss row.
     req_old = torch.cat([old_slots, torch.tensor([miss_row])])
     req_new = torch.cat([new_slots, torch.tensor([spec.target.miss_slot(rank)])])
     req_kind = torch.cat([torch.full_like(ids, _ENTRY), torch.tensor([_MISS_ROW])])
