@@ -8,7 +8,8 @@ Everything after ``--`` goes to ``scripts/train.py``. The ranks are started the 
 scheduler (srun) starts them: one process per rank with torchrun's environment (RANK,
 LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so the job's real exit code is seen
 (torchrun reports any failing worker as 1). A rank that dies takes the job down: the other
-ranks are terminated. The job's exit code is the code every rank exited with, else the first
+ranks are terminated, and whatever processes the ranks left behind are killed at the end of
+each attempt. The job's exit code is the code every rank exited with, else the first
 failure's (128 + signal for a rank killed by a signal).
 
 Exit code 16 (resume to disambiguate) is relaunched up to ``--max-restarts`` times; 0 (done),
@@ -54,6 +55,13 @@ def _code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode  # -9 -> 137, like a shell
 
 
+def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+    try:
+        os.killpg(proc.pid, sig)  # the rank's session: the rank and what it started
+    except ProcessLookupError:
+        pass
+
+
 def launch(nproc: int, train_args: list[str], attempt: int, same_device: bool,
            grace_s: float) -> Attempt:
     """Start one process per rank, wait; a failing rank takes the others down."""
@@ -66,7 +74,9 @@ def launch(nproc: int, train_args: list[str], attempt: int, same_device: bool,
         env.setdefault("OMP_NUM_THREADS", "1")
         if not same_device:
             env["MCF_CPU_DEVICE_INDEX"] = str(attempt - 1)
-        procs.append(subprocess.Popen([sys.executable, str(TRAIN), *train_args], env=env))
+        # Own session per rank, so the job's leftovers can be cleaned up (below).
+        procs.append(subprocess.Popen([sys.executable, str(TRAIN), *train_args], env=env,
+                                      start_new_session=True))
     first_failure: float | None = None
     while any(p.poll() is None for p in procs):
         failed = [p for p in procs if p.returncode not in (None, 0, RESUME_TO_DISAMBIGUATE)]
@@ -75,9 +85,13 @@ def launch(nproc: int, train_args: list[str], attempt: int, same_device: bool,
         if first_failure is not None and time.monotonic() - first_failure > grace_s:
             for p in procs:
                 if p.poll() is None:
-                    p.send_signal(signal.SIGTERM)
+                    _signal_group(p, signal.SIGTERM)
             first_failure = time.monotonic() + 3600  # signalled once; wait for them
         time.sleep(0.1)
+    for p in procs:
+        # Like a scheduler ending a job step: processes a rank left behind go too (a rank
+        # killed mid-save orphans the Manager process of megatron's async writer).
+        _signal_group(p, signal.SIGKILL)
     codes = [_code(p.returncode) for p in procs]
     if len(set(codes)) == 1:
         job_code = codes[0]

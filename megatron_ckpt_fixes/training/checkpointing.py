@@ -188,6 +188,7 @@ class Checkpointer:
             rng.restore(loaded[rng.RNG_KEY])
         if RERUN_KEY in loaded and machine.validate_state_dict(loaded[RERUN_KEY]):
             machine.load_state_dict(loaded[RERUN_KEY])
-        logger.info("loaded %s (iteration %d, saved with TP=%d)", ckpt, loaded["iteration"],
-                    loaded["tensor_model_parallel_size"])
+        if dist.get_rank() == 0:
+            logger.info("loaded %s (iteration %d, saved with TP=%d)", ckpt,
+                        loaded["iteration"], loaded["tensor_model_parallel_size"])
         return TrainState(loaded["iteration"], loaded["consumed_batches"])

@@ -173,6 +173,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING,
                         format=f"[rank{os.environ.get('RANK', '?')}] %(levelname)s %(name)s: "
                                "%(message)s")
+    logging.getLogger("megatron_ckpt_fixes.training").setLevel(logging.INFO)
     init_distributed()
     try:
         job = setup(args)

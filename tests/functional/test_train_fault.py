@@ -1,0 +1,74 @@
+"""6b: fault checkpoint with a warm plan cache -> exit 16 -> relaunch -> rerun -> judged.
+
+A persistent error is injected (upstream's RerunErrorInjector) in step 5, after four saves
+with ``--ckpt-assume-constant-structure`` (the cached plan is reused from the third save on).
+The fault checkpoint is taken before the step's optimizer update, the job exits 16, the
+runner relaunches it on another (CPU) placement, the machine goes to
+RERUNNING_FROM_CHECKPOINT, reruns step 5 and judges it ("possible persistent error", exit 17,
+as upstream does for a fatal check). The rerun reproduces the uninterrupted run's step 5
+bitwise, and a relaunch that carries on from the fault checkpoint (rerun state machine off)
+ends exactly where the uninterrupted run ends.
+
+The twin runs the same job on plain upstream (``--upstream-only``: only the CPU/gloo support)
+and shows the failure this project fixes: the fault checkpoint does not load.
+"""
+
+from __future__ import annotations
+
+from training_runs import (
+    COMMON,
+    FAULT,
+    assert_same_tensors,
+    load_dump,
+    reference,
+    run_job,
+)
+
+from megatron_ckpt_fixes.training import layout
+
+FAULT_STEP = 5  # first injection with COMMON's seed; saves at iterations 1..4 came before
+
+
+def _fault_job_args(ckpt) -> list[str]:
+    return [*COMMON, *FAULT, "--tensor-model-parallel-size", "2", "--save", str(ckpt),
+            "--load", str(ckpt), "--save-interval", "1", "--ckpt-assume-constant-structure"]
+
+
+def test_fault_checkpoint_resume_rerun_and_continue(tmp_path, tmp_path_factory):
+    ref_losses, ref_state = reference(tmp_path_factory)
+    ckpt = tmp_path / "ckpt"
+    job = run_job(tmp_path, _fault_job_args(ckpt), max_restarts=2, name="fault")
+
+    assert job.exit_codes == [16, 17], job.output[-8000:]
+    assert "Injecting error type Persistent error" in job.output
+    outcomes = [(r["iteration"], r["rerun_state"], r["exit_code"]) for r in job.log
+                if r["exit_code"] is not None]
+    assert outcomes == [(FAULT_STEP, "WILL_RERUN_FROM_CHECKPOINT", 16),
+                        (FAULT_STEP, "RERUNNING_FROM_CHECKPOINT", 17)]
+    assert "Possible persistent error" in job.output
+    assert "starting at iteration 4 (rerun state WILL_RERUN_FROM_CHECKPOINT)" in job.output
+    # Steps before the fault, the in-place rerun and the rerun from the checkpoint all
+    # reproduce the uninterrupted run bitwise.
+    assert job.losses() == {i: ref_losses[i] for i in range(1, FAULT_STEP)}
+    assert {r["loss"] for r in job.log if r["iteration"] == FAULT_STEP} == {ref_losses[FAULT_STEP]}
+    assert layout.read_tracker(ckpt) == FAULT_STEP - 1
+
+    # Carry on from the fault checkpoint: nothing is lost, the run ends as the reference does.
+    dump = tmp_path / "final.pt"
+    carry = run_job(tmp_path, [*_fault_job_args(ckpt), "--rerun-mode", "disabled",
+                               "--dump-state", str(dump)], name="carry-on")
+    assert carry.exit_codes == [0], carry.output[-8000:]
+    assert carry.losses() == {i: ref_losses[i] for i in range(FAULT_STEP, 9)}
+    assert_same_tensors(load_dump(dump), ref_state)
+
+
+def test_upstream_fault_checkpoint_does_not_load(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    job = run_job(tmp_path, [*_fault_job_args(ckpt), "--upstream-only"], max_restarts=2,
+                  name="upstream")
+
+    assert job.exit_codes[0] == 16, job.output[-8000:]
+    assert len(job.exit_codes) == 2 and job.exit_codes[1] not in (0, 16, 17), job.output[-8000:]
+    assert "Missing key in checkpoint state_dict: rerun_state_machine_state/shard_" in job.output
+    # The relaunch never got to rerun the step.
+    assert all(r["rerun_state"] != "RERUNNING_FROM_CHECKPOINT" for r in job.log)

@@ -1,0 +1,98 @@
+"""Launch scripts/train.py jobs (through scripts/run_with_restarts.py) and read what they left.
+
+Every job runs as real processes on gloo, the way a scheduler starts them, so exit codes,
+relaunches and killed ranks are the real thing. One uninterrupted reference run per test
+session is shared by the tests that compare against it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+RUNNER = REPO / "scripts" / "run_with_restarts.py"
+
+#: Bound per job (all its attempts); a hang fails the test instead of blocking CI.
+JOB_TIMEOUT_S = 240
+
+#: The model/data/seed every comparable run shares. With this seed and
+#: ``--error-injection-rate 10`` upstream's injector first fires in step 5 (after four saves).
+COMMON = ["--seed", "1237", "--train-iters", "8"]
+FAULT = ["--rerun-mode", "validate_results", "--error-injection-rate", "10",
+         "--error-injection-type", "persistent_error"]
+
+
+@dataclass
+class Job:
+    attempts: list[dict]
+    output: str
+    log: list[dict]
+
+    @property
+    def exit_codes(self) -> list[int]:
+        return [a["exit_code"] for a in self.attempts]
+
+    def losses(self) -> dict[int, str]:
+        """iteration -> loss (float.hex) of the steps that completed (no exit code)."""
+        return {r["iteration"]: r["loss"] for r in self.log if r["exit_code"] is None}
+
+
+def run_job(workdir: Path, train_args: list[str], *, max_restarts: int = 0,
+            env: dict[str, str] | None = None, name: str = "job") -> Job:
+    """Run one job (relaunched on exit 16 up to ``max_restarts``) and collect its traces."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    report, log = workdir / f"{name}.attempts.json", workdir / f"{name}.log.jsonl"
+    report.unlink(missing_ok=True)
+    log.unlink(missing_ok=True)
+    cmd = [sys.executable, str(RUNNER), "--nproc-per-node", "2",
+           "--max-restarts", str(max_restarts), "--report", str(report), "--",
+           *train_args, "--log-file", str(log)]
+    output = workdir / f"{name}.out"
+    with open(output, "w") as out:
+        subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                       stdout=out, stderr=subprocess.STDOUT, timeout=JOB_TIMEOUT_S)
+    text = output.read_text()
+    records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
+    assert report.exists(), f"runner wrote no report:\n{text[-6000:]}"
+    return Job(json.loads(report.read_text()), text, records)
+
+
+def load_dump(path: Path) -> dict[str, torch.Tensor]:
+    return torch.load(path, weights_only=True)["tensors"]
+
+
+def assert_same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> None:
+    assert a.keys() == b.keys()
+    different = [k for k in a if not torch.equal(a[k], b[k])]
+    assert not different, f"tensors differ (not bitwise equal): {different}"
+
+
+def reference_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.getbasetemp() / "train_reference"
+
+
+def reference(tmp_path_factory) -> tuple[dict[int, str], dict[str, torch.Tensor]]:
+    """The uninterrupted run (TP=2, 8 steps): its losses and final weights/optimizer state.
+
+    It also leaves its final checkpoint in ``reference_dir(...) / "ckpt"`` (iteration 8).
+    Computed once per session (cached under the session's base temp dir).
+    """
+    root = reference_dir(tmp_path_factory)
+    dump = root / "final.pt"
+    done = root / "losses.json"
+    if not done.exists():
+        job = run_job(root, [*COMMON, "--tensor-model-parallel-size", "2",
+                             "--rerun-mode", "validate_results", "--dump-state", str(dump),
+                             "--save", str(root / "ckpt")],
+                      name="reference")
+        assert job.exit_codes == [0], job.output[-6000:]
+        done.write_text(json.dumps(job.losses()))
+    losses = {int(k): v for k, v in json.loads(done.read_text()).items()}
+    return losses, load_dump(dump)
