@@ -72,6 +72,9 @@ def init_distributed() -> None:
 def setup(args: Any) -> Job:
     megatron_ckpt_fixes.install(UPSTREAM_FEATURES if args.upstream_only else None)
     if not backend_uses_cuda():
+        if args.clip_grad > 0:
+            raise SystemExit("--clip-grad > 0 needs CUDA: megatron-core's "
+                             "clip_grad_by_total_norm_fp32 asserts CUDA tensors")
         cpu_support.install()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size)

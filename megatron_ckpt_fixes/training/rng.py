@@ -59,7 +59,8 @@ def restore(state: dict[str, Any]) -> None:
         tensor_parallel.get_cuda_rng_tracker().set_states(state["rng_tracker_states"])
 
 
-def sharded(state: dict[str, Any] | None = None) -> ShardedObject:
-    """This rank's states as its shard of a ``[world_size]`` object (a template when None)."""
-    return ShardedObject(RNG_KEY, capture() if state is None else state,
-                         (dist.get_world_size(),), (dist.get_rank(),), replica_id=0)
+def sharded() -> ShardedObject:
+    """This rank's current states as its shard of a ``[world_size]`` object (also the load
+    template: loading replaces the payload)."""
+    return ShardedObject(RNG_KEY, capture(), (dist.get_world_size(),), (dist.get_rank(),),
+                         replica_id=0)
