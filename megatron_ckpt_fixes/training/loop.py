@@ -113,8 +113,12 @@ def train_step(job: Job) -> tuple[float | None, int | None]:
         allreduce_data_parallel_grads(job.model)
     reported = data_parallel_mean(loss) if loss is not None else None
     should_checkpoint, should_exit, exit_code = machine.should_checkpoint_and_exit()
-    if should_checkpoint and args.save is not None:
-        job.checkpointer.save(job.state, job.model, job.optimizer, machine, job.data)
+    if should_checkpoint:
+        if args.save is None:
+            logger.error("the rerun state machine asks for a checkpoint but there is no --save: "
+                         "a relaunch cannot rerun this step")
+        else:
+            job.checkpointer.save(job.state, job.model, job.optimizer, machine, job.data)
     if should_exit:
         return reported, exit_code
     job.optimizer.step()

@@ -72,3 +72,16 @@ def test_upstream_fault_checkpoint_does_not_load(tmp_path):
     assert "Missing key in checkpoint state_dict: rerun_state_machine_state/shard_" in job.output
     # The relaunch never got to rerun the step.
     assert all(r["rerun_state"] != "RERUNNING_FROM_CHECKPOINT" for r in job.log)
+
+
+def test_relaunch_on_the_same_device_is_asked_to_restart_again(tmp_path):
+    """Upstream's rule, kept on CPU: a rerun on the suspicious device proves nothing."""
+    ckpt = tmp_path / "ckpt"
+    job = run_job(tmp_path, _fault_job_args(ckpt), max_restarts=1, name="same-device",
+                  runner_args=("--same-device",))
+
+    assert job.exit_codes == [16, 16], job.output[-8000:]
+    assert "Got rescheduled on the same GPU" in job.output
+    outcomes = [(r["rerun_state"], r["exit_code"]) for r in job.log if r["exit_code"] is not None]
+    assert outcomes == [("WILL_RERUN_FROM_CHECKPOINT", 16), ("RERUNNING_AGAIN_FROM_CHECKPOINT", 16)]
+    assert layout.read_tracker(ckpt) == FAULT_STEP - 1  # the fault checkpoint stays for the next try
