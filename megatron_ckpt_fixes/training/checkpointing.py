@@ -177,8 +177,17 @@ class Checkpointer:
 
         template = _sharded_parts(model, optimizer, optim=self.options.load_optim,
                                   rng_state=self.options.load_rng, is_loading=True)
-        if RERUN_KEY in common:
-            template[RERUN_KEY] = machine.state_dict(None, self.options.ckpt_format, force=True)
+        saved_rerun = common.get(RERUN_KEY)
+        if saved_rerun is not None:
+            # The machine's state is per rank, like the RNG states: it loads only onto the same
+            # number of ranks. An idle state has nothing to restore; a pending fault cannot move.
+            if saved_world == dist.get_world_size():
+                template[RERUN_KEY] = machine.state_dict(None, self.options.ckpt_format,
+                                                         force=True)
+            elif machine.validate_state_dict(saved_rerun):
+                raise RuntimeError(
+                    f"{ckpt} is a fault checkpoint of {saved_world} ranks (rerun state "
+                    f"{saved_rerun['state'].name}); only {saved_world} ranks can rerun its step")
         loaded = dist_checkpointing.load(template, ckpt)
 
         model.load_state_dict(loaded["model"])

@@ -3,8 +3,8 @@
 Not a checkpoint fix, so not an ``install()`` feature: these are the CUDA hard-codings on the
 *training* path (``GlobalMemoryBuffer`` allocates attention scratch on
 ``torch.cuda.current_device()``, the tensor-parallel RNG tracker seeds, saves and restores the
-CUDA generator around every attention dropout, ``FP32Optimizer`` puts its loss scale on
-``device='cuda'``). Each module gets a backend-aware ``torch`` (see
+CUDA generator around every attention dropout, ``FP32Optimizer`` puts its loss scale and the
+grad-norm computation its buffers on ``device='cuda'``). Each module gets a backend-aware ``torch`` (see
 :mod:`megatron_ckpt_fixes.compat.device`); with NCCL on GPUs nothing changes. Applied by
 :func:`install`, idempotent, reversible with :func:`uninstall`.
 """

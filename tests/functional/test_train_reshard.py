@@ -4,7 +4,7 @@ megatron-core's non-distributed optimizer shards its Adam moments like the param
 dist_checkpointing reshards both. The loaded state is compared, gathered to full tensors,
 with the state that was saved (bitwise). World size stays 2 (TP=2 <-> TP=1 x DP=2), so the
 per-rank RNG states load too; a different world size needs ``--no-load-rng`` (clear error
-otherwise), and ``--no-load-optim`` loads weights only.
+otherwise, tested below), and ``--no-load-optim`` loads weights only.
 """
 
 from __future__ import annotations
@@ -38,3 +38,19 @@ def test_tp1_checkpoint_loads_exactly_with_tp2(tmp_path):
     assert second.exit_codes == [0], second.output[-6000:]
     assert "saved with TP=1" in second.output
     assert_same_tensors(load_dump(loaded), load_dump(saved))
+
+
+def test_world_size_change_needs_no_load_rng(tmp_path, tmp_path_factory):
+    """2 ranks -> 1 rank: per-rank RNG states cannot follow (clear error); with --no-load-rng
+    the weights and optimizer state still load exactly."""
+    _, ref_state = reference(tmp_path_factory)
+    ckpt, dump = reference_dir(tmp_path_factory) / "ckpt", tmp_path / "one.pt"
+    refused = run_job(tmp_path, _load_only(ckpt, 1, 8, dump), nproc=1, name="refused")
+    assert refused.exit_codes == [1]
+    assert "holds per-rank RNG states of 2 ranks, this job has 1" in refused.output
+    assert "--no-load-rng" in refused.output
+
+    loaded = run_job(tmp_path, [*_load_only(ckpt, 1, 8, dump), "--no-load-rng"], nproc=1,
+                     name="loaded")
+    assert loaded.exit_codes == [0], loaded.output[-6000:]
+    assert_same_tensors(load_dump(dump), ref_state)

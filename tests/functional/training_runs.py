@@ -46,13 +46,13 @@ class Job:
 
 def run_job(workdir: Path, train_args: list[str], *, max_restarts: int = 0,
             env: dict[str, str] | None = None, name: str = "job",
-            runner_args: tuple[str, ...] = ()) -> Job:
+            runner_args: tuple[str, ...] = (), nproc: int = 2) -> Job:
     """Run one job (relaunched on exit 16 up to ``max_restarts``) and collect its traces."""
     workdir.mkdir(parents=True, exist_ok=True)
     report, log = workdir / f"{name}.attempts.json", workdir / f"{name}.log.jsonl"
     report.unlink(missing_ok=True)
     log.unlink(missing_ok=True)
-    cmd = [sys.executable, str(RUNNER), "--nproc-per-node", "2",
+    cmd = [sys.executable, str(RUNNER), "--nproc-per-node", str(nproc),
            "--max-restarts", str(max_restarts), "--report", str(report), *runner_args, "--",
            *train_args, "--log-file", str(log)]
     output = workdir / f"{name}.out"
