@@ -118,7 +118,7 @@ def train_step(job: Job) -> tuple[float | None, int | None]:
             logger.error("the rerun state machine asks for a checkpoint but there is no --save: "
                          "a relaunch cannot rerun this step")
         else:
-            job.checkpointer.save(job.state, job.model, job.optimizer, machine, job.data)
+            _save(job)
     if should_exit:
         return reported, exit_code
     job.optimizer.step()
@@ -141,6 +141,11 @@ def _log_step(job: Job, iteration: int, loss: float | None, exit_code: int | Non
             f.write(json.dumps(record) + "\n")
 
 
+def _save(job: Job) -> int:
+    job.checkpointer.save(job.state, job.model, job.optimizer, job.machine, job.data)
+    return job.state.iteration
+
+
 def train(job: Job) -> int:
     args, state = job.args, job.state
     if dist.get_rank() == 0:
@@ -156,16 +161,15 @@ def train(job: Job) -> int:
         state.iteration += 1
         state.consumed_batches += 1
         if args.save is not None and args.save_interval and state.iteration % args.save_interval == 0:
-            job.checkpointer.save(state, job.model, job.optimizer, job.machine, job.data)
-            saved_at = state.iteration
+            saved_at = _save(job)
         if args.exit_interval and state.iteration % args.exit_interval == 0:
             if args.save is not None and saved_at != state.iteration:
-                job.checkpointer.save(state, job.model, job.optimizer, job.machine, job.data)
+                _save(job)
             if dist.get_rank() == 0:
                 print(f" exiting at iteration {state.iteration} (--exit-interval)", flush=True)
             return 0
     if args.save is not None and saved_at != state.iteration:
-        job.checkpointer.save(state, job.model, job.optimizer, job.machine, job.data)
+        _save(job)
     return 0
 
 

@@ -9,8 +9,6 @@ otherwise, tested below), and ``--no-load-optim`` loads weights only.
 
 from __future__ import annotations
 
-import shutil
-
 from training_runs import COMMON, assert_same_tensors, load_dump, reference, reference_dir, run_job
 
 
