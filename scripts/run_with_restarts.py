@@ -8,9 +8,9 @@ Everything after ``--`` goes to ``scripts/train.py``. The ranks are started the 
 scheduler (srun) starts them: one process per rank with torchrun's environment (RANK,
 LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so the job's real exit code is seen
 (torchrun reports any failing worker as 1). A rank that dies takes the job down: the other
-ranks are terminated, and whatever processes the ranks left behind are killed at the end of
-each attempt. The job's exit code is the code every rank exited with, else the first
-failure's (128 + signal for a rank killed by a signal).
+ranks are stopped after ``--grace-seconds`` (SIGTERM, then SIGKILL), and whatever processes
+the ranks left behind are killed at the end of each attempt. The job's exit code is the code
+every rank exited with, else the first failure's (128 + signal for a rank killed by one).
 
 Exit code 16 (resume to disambiguate) is relaunched up to ``--max-restarts`` times; 0 (done),
 17 (failed validation) and anything else end the run. Each attempt runs on a fresh rendezvous
@@ -77,16 +77,20 @@ def launch(nproc: int, train_args: list[str], attempt: int, same_device: bool,
         # Own session per rank, so the job's leftovers can be cleaned up (below).
         procs.append(subprocess.Popen([sys.executable, str(TRAIN), *train_args], env=env,
                                       start_new_session=True))
-    first_failure: float | None = None
-    while any(p.poll() is None for p in procs):
-        failed = [p for p in procs if p.returncode not in (None, 0, RESUME_TO_DISAMBIGUATE)]
-        if failed and first_failure is None:
-            first_failure = time.monotonic()
-        if first_failure is not None and time.monotonic() - first_failure > grace_s:
+    ended: list[subprocess.Popen] = []  # in the order the ranks ended
+    stop_at: float | None = None
+    stop_signals = iter((signal.SIGTERM, signal.SIGKILL))
+    while len(ended) < len(procs):
+        ended += [p for p in procs if p not in ended and p.poll() is not None]
+        failed = any(p.returncode not in (0, RESUME_TO_DISAMBIGUATE) for p in ended)
+        if failed and stop_at is None:
+            stop_at = time.monotonic() + grace_s
+        if stop_at is not None and time.monotonic() > stop_at:
+            sig = next(stop_signals, signal.SIGKILL)
             for p in procs:
                 if p.poll() is None:
-                    _signal_group(p, signal.SIGTERM)
-            first_failure = time.monotonic() + 3600  # signalled once; wait for them
+                    _signal_group(p, sig)
+            stop_at = time.monotonic() + grace_s
         time.sleep(0.1)
     for p in procs:
         # Like a scheduler ending a job step: processes a rank left behind go too (a rank
@@ -96,7 +100,7 @@ def launch(nproc: int, train_args: list[str], attempt: int, same_device: bool,
     if len(set(codes)) == 1:
         job_code = codes[0]
     else:
-        job_code = next(c for c in codes if c != 0)
+        job_code = next(_code(p.returncode) for p in ended if p.returncode != 0)
     return Attempt(attempt, job_code, codes, round(time.monotonic() - start, 1))
 
 
