@@ -21,6 +21,7 @@ import json
 import shutil
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parent
@@ -45,7 +46,9 @@ def losses(log: Path) -> dict[int, str]:
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workdir", type=Path, default=Path("demo_fault_resume"))
+    p.add_argument("--workdir", type=Path,
+                   default=Path(tempfile.gettempdir()) / "megatron_ckpt_fixes_demo",
+                   help="checkpoints and logs go here (emptied first)")
     p.add_argument("--upstream", action="store_true",
                    help="plain megatron-core (only CPU/gloo support): shows the load failure")
     args = p.parse_args()
@@ -73,6 +76,7 @@ def main() -> int:
     print(f"\nexit codes of the fault job: {codes} (16: resume to disambiguate, "
           "17: validation failed after the rerun from the checkpoint)")
     print(f"loss per step equals the uninterrupted run's, bitwise: {same}")
+    print(f"checkpoints and logs: {args.workdir}")
     return 0 if same else 1
 
 
