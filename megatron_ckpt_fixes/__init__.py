@@ -29,6 +29,7 @@ FEATURES: dict[str, str] = {
     "cpu": "megatron_ckpt_fixes.compat.cpu",
     "structure": "megatron_ckpt_fixes.structure",
     "rerun-sentinel": "megatron_ckpt_fixes.rerun",
+    "rerun-stats": "megatron_ckpt_fixes.rerun.stats_report",
     "load-errors": "megatron_ckpt_fixes.load_errors",
     "rerun-cpu": "megatron_ckpt_fixes.compat.rerun_device",
 }

@@ -30,7 +30,8 @@ class Patch:
         name: stable, human readable id shown by ``installed()``.
         target: ``"package.module"`` or ``"package.module:Class"``.
         attr: attribute of the target to replace.
-        build: ``original -> replacement``; the replacement usually wraps the original.
+        build: ``original -> replacement``; the replacement usually wraps the original
+            (``original`` is None for a patch that adds an attribute the owner lacks).
         needed: whether the installed versions still lack this fix (version awareness).
         aliases: other modules that imported the same object by name
             (``from x import f``); they are patched too when they still hold the original.
@@ -84,7 +85,7 @@ class PatchSet:
             return False
         owner = resolve(patch.target)
         raw = _raw(owner, patch.attr)
-        original = getattr(owner, patch.attr)
+        original = getattr(owner, patch.attr, None)
         replacement = patch.build(original)
         applied = _Applied(patch, [(owner, raw)])
         setattr(owner, patch.attr, replacement)

@@ -64,3 +64,30 @@ def test_sentinel_loads_as_a_no_op(single_rank_group, clean_install):
     sd = _machine().state_dict(None, "torch_dist")
     sd["sharded"] = sd["sharded"].data
     assert _machine().validate_state_dict(sd) is False
+
+
+def _report_determinism_stats() -> None:
+    from megatron.core.rerun_state_machine import Caller
+
+    machine = _machine(RerunMode.REPORT_DETERMINISM_STATS)
+    machine.current_iteration = 0  # a reporting iteration
+    machine.stats[Caller(message="loss", rank=0)].record(1.5)
+    machine._maybe_report_stats()
+
+
+def test_upstream_determinism_report_crashes(single_rank_group, clean_install):
+    """Upstream 0.16 reads Caller.filename, which Caller does not have (fixed in 0.19)."""
+    from megatron_ckpt_fixes.rerun.stats_report import PATCHES
+
+    if not PATCHES[0].needed():  # megatron-core >= 0.19 reports by message
+        assert not any(n.startswith("rerun.stats_report") for n in clean_install.install())
+        return
+    with pytest.raises(AttributeError, match="filename"):
+        _report_determinism_stats()
+
+
+def test_determinism_report_runs(single_rank_group, clean_install, caplog):
+    clean_install.install(["rerun-stats"])
+    with caplog.at_level("INFO", logger="megatron.core.rerun_state_machine"):
+        _report_determinism_stats()
+    assert "validation call 'loss'" in caplog.text or "'loss'" in caplog.text
