@@ -18,7 +18,7 @@ from ._patching import Patch, PatchSet
 from .compat.versions import UnsupportedVersionError, check_supported
 
 __version__ = "0.1.0"
-__all__ = ["FEATURES", "install", "uninstall", "installed", "UnsupportedVersionError", "__version__"]
+__all__ = ["FEATURES", "OPTIONAL_FEATURES", "install", "uninstall", "installed", "UnsupportedVersionError", "__version__"]
 
 logger = logging.getLogger(__name__)
 
@@ -34,25 +34,34 @@ FEATURES: dict[str, str] = {
     "rerun-cpu": "megatron_ckpt_fixes.compat.rerun_device",
 }
 
+#: Features applied only when named: not checkpoint fixes, and they replace ``torch`` inside
+#: megatron-core's forward/backward/optimizer modules, which GPU users do not need patched.
+#: ``training-cpu`` lets megatron-core's GPTModel and optimizer train on gloo (scripts/train.py).
+OPTIONAL_FEATURES: dict[str, str] = {
+    "training-cpu": "megatron_ckpt_fixes.training.cpu_support",
+}
+
 _lock = threading.Lock()
 _patches = PatchSet()
 
 
 def _declared(features: Iterable[str]) -> list[Patch]:
-    unknown = sorted(set(features) - set(FEATURES))
+    known = {**FEATURES, **OPTIONAL_FEATURES}
+    unknown = sorted(set(features) - set(known))
     if unknown:
-        raise ValueError(f"unknown features {unknown}; known: {list(FEATURES)}")
+        raise ValueError(f"unknown features {unknown}; known: {list(known)}")
     chosen = set(features)
     return [
         patch
-        for name, module in FEATURES.items()
+        for name, module in known.items()
         if name in chosen
         for patch in importlib.import_module(module).PATCHES
     ]
 
 
 def install(features: Iterable[str] | None = None) -> list[str]:
-    """Apply every fix the installed megatron-core lacks (or only ``features``). Idempotent.
+    """Apply every fix in ``FEATURES`` the installed megatron-core lacks (or only ``features``,
+    which may also name ``OPTIONAL_FEATURES``). Idempotent; calls add up.
 
     Returns the names of all installed patches. Raises :class:`UnsupportedVersionError`
     for a megatron-core outside the supported range, before touching anything.

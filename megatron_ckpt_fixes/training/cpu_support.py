@@ -1,12 +1,12 @@
 """What the example training loop needs to run megatron-core's GPTModel and optimizer on gloo.
 
-Not a checkpoint fix, so not an ``install()`` feature: these are the CUDA hard-codings on the
+Not a checkpoint fix, so an optional ``install()`` feature (``install(["training-cpu"])``):
+these are the CUDA hard-codings on the
 *training* path (``GlobalMemoryBuffer`` allocates attention scratch on
 ``torch.cuda.current_device()``, the tensor-parallel RNG tracker seeds, saves and restores the
 CUDA generator around every attention dropout, ``FP32Optimizer`` puts its loss scale and the
 grad-norm computation its buffers on ``device='cuda'``). Each module gets a backend-aware ``torch`` (see
-:mod:`megatron_ckpt_fixes.compat.device`); with NCCL on GPUs nothing changes. Applied by
-:func:`install`, idempotent, reversible with :func:`uninstall`.
+:mod:`megatron_ckpt_fixes.compat.device`); with NCCL on GPUs nothing changes.
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from .._patching import Patch, PatchSet
+from .._patching import Patch
 from ..compat.cpu import backend_aware_torch_patch
 from ..compat.device import backend_uses_cuda
 
@@ -52,16 +52,3 @@ PATCHES: tuple[Patch, ...] = tuple(
         why="the RNG tracker restores the CUDA generator after each fork; no-op without CUDA",
     ),
 )
-
-_patches = PatchSet()
-
-
-def install() -> list[str]:
-    """Apply the training-path CPU support. Idempotent; returns the applied patch names."""
-    for patch in PATCHES:
-        _patches.apply(patch)
-    return _patches.names()
-
-
-def uninstall() -> None:
-    _patches.restore_all()

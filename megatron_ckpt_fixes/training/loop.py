@@ -28,7 +28,7 @@ from megatron.core.rerun_state_machine import RerunDataIterator, RerunStateMachi
 import megatron_ckpt_fixes
 
 from ..compat.device import backend_uses_cuda
-from . import cpu_support, rerun, rng, snapshot
+from . import rerun, rng, snapshot
 from .args import parse_args
 from .checkpointing import Checkpointer, CheckpointOptions, TrainState
 from .data import SyntheticTokens
@@ -75,7 +75,7 @@ def setup(args: Any) -> Job:
         if args.clip_grad > 0:
             raise SystemExit("--clip-grad > 0 needs CUDA: megatron-core's "
                              "clip_grad_by_total_norm_fp32 asserts CUDA tensors")
-        cpu_support.install()
+        megatron_ckpt_fixes.install(["training-cpu"])
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size)
     rng.seed_all(args.seed)

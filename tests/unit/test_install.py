@@ -109,3 +109,12 @@ def test_load_failures_are_attributed_to_the_rank_that_failed():
     local = {0: {0: "missing a/shard_0_2"}, 1: {0: "missing a/shard_1_2"}}
     assert attribute(local) == gathered  # rank-local loads (0.19, no_dist)
     assert attribute({1: {0: "missing b"}}) == {1: "missing b"}  # only rank 1 failed
+
+
+def test_optional_features_only_when_named(clean_install):
+    from megatron_ckpt_fixes import OPTIONAL_FEATURES
+
+    default = clean_install.install()
+    assert not any(n.startswith("training-cpu") for n in default)
+    added = clean_install.install(list(OPTIONAL_FEATURES))
+    assert set(default) < set(added) and any(n.startswith("training-cpu") for n in added)
