@@ -1,8 +1,8 @@
 """CPU/gloo support for megatron-core's torch_dist save and load path.
 
 The modules below hard-code CUDA on the checkpoint path (the async writer's preload
-synchronizes CUDA, finalize broadcasts a tensor on ``torch.cuda.current_device()``,
-global-metadata reuse verification reduces on ``device='cuda'``, the async caller checks
+synchronizes CUDA, finalize broadcasts a tensor on the current CUDA device,
+global-metadata reuse verification reduces on a hard-coded CUDA device, the async caller checks
 liveness on the current CUDA device). Each gets a :class:`BackendAwareTorch` as its ``torch``.
 """
 

@@ -1,7 +1,7 @@
 """The device a collective needs, and a ``torch`` view that honours it.
 
-megatron-core's checkpoint code hard-codes CUDA (``device='cuda'``,
-``torch.cuda.current_device()``, ``torch.cuda.synchronize()``). With a gloo process group
+megatron-core's checkpoint code hard-codes CUDA (CUDA device arguments, the current CUDA
+device, ``torch.cuda.synchronize()``). With a gloo process group
 those calls either crash (no CUDA build) or put tensors where gloo cannot reduce them. Rather
 than copying the functions, each affected megatron module gets its global name ``torch``
 replaced by :class:`BackendAwareTorch`, which forwards everything to the real ``torch`` and

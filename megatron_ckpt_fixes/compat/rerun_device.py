@@ -1,8 +1,8 @@
 """CPU/gloo support for megatron-core's rerun state machine, which stays unchanged.
 
 ``megatron.core.rerun_state_machine`` hard-codes CUDA in three places: it all-reduces its
-rerun/checkpoint/continue flags on ``device='cuda'``, it saves and restores ``torch.cuda``'s
-RNG state around a step, and it calls ``torch.cuda.current_device()`` to name the device a
+rerun/checkpoint/continue flags on a hard-coded CUDA device, it saves and restores ``torch.cuda``'s
+RNG state around a step, and it asks for the current CUDA device to name the device a
 suspicious result came from (and, after a relaunch, to decide whether the job came back on the
 same device and must be restarted again). The module gets a :class:`RerunMachineTorch` as its
 ``torch``: reductions go to :func:`~.device.collective_device`, CUDA RNG calls are no-ops
@@ -58,7 +58,7 @@ PATCHES: tuple[Patch, ...] = (
         target="megatron.core.rerun_state_machine",
         attr="torch",
         build=RerunMachineTorch,
-        why="the rerun state machine reduces on device='cuda' and saves CUDA RNG state; "
+        why="the rerun state machine reduces on a hard-coded CUDA device and saves CUDA RNG state; "
             "follow the process group's backend instead",
     ),
 )

@@ -26,21 +26,20 @@ def _report_reads_missing(field: str):
     return needed
 
 
-PATCHES: tuple[Patch, ...] = (
+#: The attributes the 0.16 report reads, and what they show for a call named by its message.
+_READ_BY_REPORT = {
+    "filename": lambda caller: f"validation call '{caller.message}'",
+    "lineno": lambda caller: f"n/a (rank {caller.rank})",
+}
+
+PATCHES: tuple[Patch, ...] = tuple(
     Patch(
-        name="rerun.stats_report.filename",
+        name=f"rerun.stats_report.{field}",
         target=_CALLER,
-        attr="filename",
-        build=lambda _missing: property(lambda caller: f"validation call '{caller.message}'"),
-        needed=_report_reads_missing("filename"),
-        why="report_determinism_stats reads Caller.filename, which Caller does not have",
-    ),
-    Patch(
-        name="rerun.stats_report.lineno",
-        target=_CALLER,
-        attr="lineno",
-        build=lambda _missing: property(lambda caller: f"n/a (rank {caller.rank})"),
-        needed=_report_reads_missing("lineno"),
-        why="report_determinism_stats reads Caller.lineno, which Caller does not have",
-    ),
+        attr=field,
+        build=lambda _missing, show=show: property(show),
+        needed=_report_reads_missing(field),
+        why=f"report_determinism_stats reads Caller.{field}, which Caller does not have",
+    )
+    for field, show in _READ_BY_REPORT.items()
 )

@@ -3,9 +3,9 @@
 Not a checkpoint fix, so an optional ``install()`` feature (``install(["training-cpu"])``):
 these are the CUDA hard-codings on the
 *training* path (``GlobalMemoryBuffer`` allocates attention scratch on
-``torch.cuda.current_device()``, the tensor-parallel RNG tracker seeds, saves and restores the
+the current CUDA device, the tensor-parallel RNG tracker seeds, saves and restores the
 CUDA generator around every attention dropout, ``FP32Optimizer`` puts its loss scale and the
-grad-norm computation its buffers on ``device='cuda'``). Each module gets a backend-aware ``torch`` (see
+grad-norm computation its buffers on a hard-coded CUDA device). Each module gets a backend-aware ``torch`` (see
 :mod:`megatron_ckpt_fixes.compat.device`); with NCCL on GPUs nothing changes.
 """
 
