@@ -65,3 +65,12 @@ def test_object_replica_and_shard_count_matter():
     a = ShardedTensor.from_rank_offsets("t", t, (0, 0, 4))
     b = ShardedTensor.from_rank_offsets("t", t.clone(), (0, 1, 4))
     assert compute_signature({"x": [a]}).digest != compute_signature({"x": [a, b]}).digest
+
+
+def test_validation_keys_are_split_across_ranks_stably():
+    from megatron_ckpt_fixes.structure.integrity import key_owner
+
+    keys = [f"layer{i}.weight" for i in range(1000)]
+    owners = [key_owner(k, 4) for k in keys]
+    assert owners == [key_owner(k, 4) for k in keys] and set(owners) == {0, 1, 2, 3}
+    assert min(owners.count(r) for r in range(4)) > 150
