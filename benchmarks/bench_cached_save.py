@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import shutil
 import statistics
 import tempfile
 import time
@@ -75,6 +76,13 @@ def _bench(rank: int, ws: int, sizes: list[int], rounds: list[int], root: str) -
             os.makedirs(path)
         dist.barrier()
         dc.save(sd, path, sharded_strategy=strategy)
+        return path
+
+    def dropped(path):
+        """Each checkpoint is deleted once timed (a 50k-tensor one is ~100 MB in /dev/shm)."""
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(path)
 
     for n, n_rounds in zip(sizes, rounds):
         sd = _state_dict(n, rank, ws)
@@ -89,12 +97,14 @@ def _bench(rank: int, ws: int, sizes: list[int], rounds: list[int], root: str) -
         for name in SETUPS:
             use(name)
             for _ in range(WARMUP):
-                save(sd, strategies[name])
+                dropped(save(sd, strategies[name]))
         order = list(SETUPS)
         for _ in tqdm(range(n_rounds), desc=f"{n} tensors/rank", disable=rank != 0):
             for name in order:
                 use(name)
-                times[name].append(_timed(lambda: save(sd, strategies[name])))
+                paths: list[str] = []
+                times[name].append(_timed(lambda: paths.append(save(sd, strategies[name]))))
+                dropped(paths[0])
             order.reverse()
         megatron_ckpt_fixes.install()
         guard = StructureGuard()
@@ -118,8 +128,11 @@ def main() -> None:
     rounds = (args.rounds + args.rounds[-1:] * len(args.sizes))[:len(args.sizes)]
     root = os.environ.get("MCF_BENCH_DIR") or tempfile.mkdtemp(
         dir="/dev/shm" if os.path.isdir("/dev/shm") else None)
-    res = run_ranks(_bench, 2, args.sizes, rounds, root, timeout_s=7200,
-                    collective_timeout_s=1800)[0].value
+    try:
+        res = run_ranks(_bench, 2, args.sizes, rounds, root, timeout_s=7200,
+                        collective_timeout_s=1800)[0].value
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
     print("\nmedian save time, 2 gloo ranks (max over ranks); ratio = median of per-round "
           "patched/upstream cached")
     print(f"{'tensors/rank':>12} {'rounds':>6} {'upstream uncached':>18} {'upstream cached':>16} "
