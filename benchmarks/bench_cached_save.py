@@ -4,7 +4,7 @@ Two gloo ranks save a state dict of N small ShardedTensors per rank repeatedly w
 setups, interleaved round by round so they share the machine's conditions:
 
 - upstream uncached: ``TorchDistSaveShardedStrategy(cached_metadata=False)``, plain megatron-core
-- upstream cached:   ``cached_metadata=True``, plain megatron-core (``install(["cpu"])`` only)
+- upstream cached:   ``cached_metadata=True``, plain megatron-core (``install(["compat.cpu"])`` only)
 - patched cached:    ``cached_metadata=True`` after ``install()``
 
 Each setup keeps its strategy object across rounds (a warm cache, as in training) and is
@@ -35,8 +35,8 @@ import torch.distributed as dist
 from megatron_ckpt_fixes.testing import run_ranks
 
 SETUPS = {
-    "upstream uncached": (["cpu"], False),
-    "upstream cached": (["cpu"], True),
+    "upstream uncached": (["compat.cpu"], False),
+    "upstream cached": (["compat.cpu"], True),
     "patched cached": (None, True),
 }
 WARMUP = 3

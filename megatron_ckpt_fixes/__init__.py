@@ -2,9 +2,11 @@
 
 ``install()`` puts every fix into the megatron-core entry points users already call
 (``dist_checkpointing.save`` / ``load``, the rerun state machine). Each fix is declared as
-data (:class:`~megatron_ckpt_fixes._patching.Patch`) in the module that implements it; the
-feature modules listed in ``_FEATURES`` are applied in order, each only where the installed
-megatron-core still lacks it.
+data (:class:`~megatron_ckpt_fixes._patching.Patch`) in the module that implements it; a
+feature's name is that module's path inside the package (``"structure"``,
+``"rerun.sentinel"``), and its module exposes ``PATCHES``. ``install()`` checks everything
+the chosen patches need from upstream before touching anything, then applies them all or
+none; patches whose fix upstream already has (detected from its behaviour) are not applied.
 """
 
 from __future__ import annotations
@@ -15,62 +17,68 @@ import threading
 from collections.abc import Iterable
 
 from ._patching import Patch, PatchSet
-from .compat.versions import UnsupportedVersionError, check_supported
+from .compat.versions import check_supported
+from .errors import MegatronCkptFixesError, UnsupportedVersionError
 
 __version__ = "0.1.0"
-__all__ = ["FEATURES", "OPTIONAL_FEATURES", "install", "uninstall", "installed", "UnsupportedVersionError", "__version__"]
+__all__ = ["FEATURES", "OPTIONAL_FEATURES", "MegatronCkptFixesError", "UnsupportedVersionError",
+           "__version__", "install", "installed", "uninstall"]
 
 logger = logging.getLogger(__name__)
 
-#: Feature name -> module exposing ``PATCHES: tuple[Patch, ...]``; applied in this order.
-#: ``install(features=("cpu",))`` gives plain upstream behaviour that runs on CPU/gloo, which
-#: is what the "upstream still fails" tests use.
-FEATURES: dict[str, str] = {
-    "cpu": "megatron_ckpt_fixes.compat.cpu",
-    "structure": "megatron_ckpt_fixes.structure",
-    "rerun-sentinel": "megatron_ckpt_fixes.rerun",
-    "rerun-stats": "megatron_ckpt_fixes.rerun.stats_report",
-    "load-errors": "megatron_ckpt_fixes.load_errors",
-    "rerun-cpu": "megatron_ckpt_fixes.compat.rerun_device",
-}
+#: Features applied by ``install()``, in this order; each is the module path (inside this
+#: package) of the module declaring its ``PATCHES``. ``install(["compat.cpu"])`` gives plain
+#: upstream behaviour that runs on CPU/gloo, which the "upstream still fails" tests use.
+FEATURES: tuple[str, ...] = (
+    "compat.cpu",
+    "structure",
+    "rerun.sentinel",
+    "rerun.stats_report",
+    "load_errors",
+    "compat.rerun_device",
+)
 
-#: Features applied only when named: not checkpoint fixes, and they replace ``torch`` inside
-#: megatron-core's forward/backward/optimizer modules, which GPU users do not need patched.
-#: ``training-cpu`` lets megatron-core's GPTModel and optimizer train on gloo (scripts/train.py).
-OPTIONAL_FEATURES: dict[str, str] = {
-    "training-cpu": "megatron_ckpt_fixes.training.cpu_support",
-}
+#: Features applied only when named: not checkpoint fixes. ``training.cpu_support`` replaces
+#: ``torch`` inside megatron-core's forward/backward/optimizer modules so that GPTModel and
+#: its optimizer train on gloo (scripts/train.py); GPU users do not need it.
+OPTIONAL_FEATURES: tuple[str, ...] = (
+    "training.cpu_support",
+)
 
 _lock = threading.Lock()
 _patches = PatchSet()
 
 
+def feature_patches(feature: str) -> tuple[Patch, ...]:
+    """The patches a feature declares; each patch's name starts with the feature's name."""
+    patches = importlib.import_module(f"{__name__}.{feature}").PATCHES
+    strays = [p.name for p in patches if not p.name.startswith(f"{feature}.")]
+    if strays:
+        raise ValueError(f"feature {feature!r} declares patches named outside it: {strays}")
+    return patches
+
+
 def _declared(features: Iterable[str]) -> list[Patch]:
-    known = {**FEATURES, **OPTIONAL_FEATURES}
-    unknown = sorted(set(features) - set(known))
+    chosen = list(features)
+    known = FEATURES + OPTIONAL_FEATURES
+    unknown = sorted(set(chosen) - set(known))
     if unknown:
         raise ValueError(f"unknown features {unknown}; known: {list(known)}")
-    chosen = set(features)
-    return [
-        patch
-        for name, module in known.items()
-        if name in chosen
-        for patch in importlib.import_module(module).PATCHES
-    ]
+    return [patch for name in known if name in chosen for patch in feature_patches(name)]
 
 
 def install(features: Iterable[str] | None = None) -> list[str]:
-    """Apply every fix in ``FEATURES`` the installed megatron-core lacks (or only ``features``,
-    which may also name ``OPTIONAL_FEATURES``). Idempotent; calls add up.
+    """Apply every feature in ``FEATURES`` (or only ``features``, which may also name
+    ``OPTIONAL_FEATURES``). Idempotent; calls add up; all or nothing.
 
-    Returns the names of all installed patches. Raises :class:`UnsupportedVersionError`
-    for a megatron-core outside the supported range, before touching anything.
+    Raises :class:`UnsupportedVersionError` before touching anything when megatron-core is
+    outside the supported range or lacks a symbol a chosen patch needs (each one named).
+    Returns the names of all installed patches.
     """
     with _lock:
         check_supported()
-        for patch in _declared(FEATURES if features is None else features):
-            if _patches.apply(patch):
-                logger.info("megatron_ckpt_fixes: installed %s", patch.name)
+        for name in _patches.install(_declared(FEATURES if features is None else features)):
+            logger.info("megatron_ckpt_fixes: installed %s", name)
         return _patches.names()
 
 
@@ -81,5 +89,7 @@ def uninstall() -> None:
 
 
 def installed() -> dict[str, str]:
-    """Installed patches: name -> why it is needed."""
+    """Each applied patch with why it is needed, then each chosen patch that was not applied
+    (``"not applied: ..."``: upstream already has the fix here, or an optional one's upstream
+    symbol is missing)."""
     return _patches.describe()

@@ -5,20 +5,26 @@ wall of per-rank tracebacks; with 0.19 load planning is rank-local, so only the 
 key is missing raises and the others carry on with a partial load. The patched
 ``dist_checkpointing.load`` agrees on the outcome: each rank contributes its own cause and
 every rank raises the same :class:`CheckpointLoadError`, one line per failing rank naming
-the cause (which names the key). It subclasses ``CheckpointException`` so existing handlers
-keep working; the local failures (with tracebacks) stay in ``failures``.
+the cause (which names the key).
+
+The raised error keeps the class upstream raised: it is built as a subclass of both
+:class:`CheckpointLoadError` and the class the (lowest) failing rank saw, so
+``except CheckpointingException`` (a missing directory, strict-mode key mismatches),
+``except CheckpointException`` (DCP's failures) and ``except Exception`` catch exactly what
+they caught upstream. The local failures (with tracebacks) stay in ``failures``.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import Any, Callable
 
-import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
 from ._patching import Patch
-from .collective import CollectiveError, agree
+from .agreement import agree, rank_and_size
+from .errors import MegatronCkptFixesError
 
 _HINTS = {
     "Missing key in checkpoint state_dict": "the checkpoint has no entry for this key: it was "
@@ -34,19 +40,59 @@ def _cause(exc: BaseException) -> str:
     return text + (f" ({hints[0]})" if hints else "")
 
 
-class CheckpointLoadError(CheckpointException):
-    """Raised on every rank when a checkpoint cannot be loaded as requested."""
+class CheckpointLoadError(MegatronCkptFixesError):
+    """Raised on every rank when a checkpoint cannot be loaded as requested.
+
+    Every raised instance is also an instance of the upstream exception class (see the
+    module docstring; :func:`load_error_type`). ``causes`` maps each failing rank to its
+    cause; ``failures`` holds this rank's raw failures, as DCP's ``CheckpointException``
+    does.
+    """
 
     def __init__(self, checkpoint_dir: Any, causes: dict[int, str],
                  local_failures: dict[int, Any]) -> None:
-        super().__init__(f"cannot load {checkpoint_dir}", local_failures)
-        self.causes = causes
         lines = [f"  rank {rank}: {cause}" for rank, cause in sorted(causes.items())]
         self.summary = (f"cannot load checkpoint {checkpoint_dir} as requested; "
                         f"{len(causes)} rank(s) failed:\n" + "\n".join(lines))
+        # The upstream base's own __init__ is not called: the message is ours, and what
+        # its handlers read (CheckpointException.failures) is set here.
+        BaseException.__init__(self, self.summary)
+        self.checkpoint_dir = checkpoint_dir
+        self.causes = causes
+        self._failures = local_failures
+
+    @property
+    def failures(self) -> dict[int, Any]:
+        return self._failures
 
     def __str__(self) -> str:
         return self.summary
+
+
+@functools.lru_cache(maxsize=None)
+def load_error_type(upstream: type[BaseException]) -> type[CheckpointLoadError]:
+    """:class:`CheckpointLoadError` that is also an ``upstream`` (one class per upstream class)."""
+    if issubclass(upstream, CheckpointLoadError):
+        return upstream
+    return type("CheckpointLoadError", (CheckpointLoadError, upstream),
+                {"__module__": __name__, "__doc__": CheckpointLoadError.__doc__})
+
+
+def _class_path(exc: BaseException) -> str:
+    cls = type(exc)
+    return f"{cls.__module__}:{cls.__qualname__}"
+
+
+def _upstream_class(path: str) -> type[BaseException]:
+    """The class a failing rank raised, resolved here; DCP's class if it cannot be."""
+    module, _, qualname = path.partition(":")
+    try:
+        obj: Any = importlib.import_module(module)
+        for part in qualname.split("."):
+            obj = getattr(obj, part)
+    except (ImportError, AttributeError):
+        return CheckpointException
+    return obj if isinstance(obj, type) and issubclass(obj, BaseException) else CheckpointException
 
 
 def _report(exc: BaseException, rank: int) -> tuple[dict[int, str], dict[int, Any]]:
@@ -73,18 +119,22 @@ def attribute(reports: dict[int, dict[int, str]]) -> dict[int, str]:
 def clear_load_errors(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def load(sharded_state_dict: Any, checkpoint_dir: Any, *args: Any, **kwargs: Any) -> Any:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        report: dict[int, str] | None = None
+        rank = rank_and_size()[0]
+        report: tuple[str, dict[int, str]] | None = None
         failures: dict[int, Any] = {}
         result = None
         try:
             result = original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
         except (CheckpointException, Exception) as exc:  # noqa: BLE001 - agreed below
-            report, failures = _report(exc, rank)
-        try:
-            agree(False, report, f"loading {checkpoint_dir}")
-        except CollectiveError as exc:
-            raise CheckpointLoadError(checkpoint_dir, attribute(exc.errors), failures) from None
+            causes, failures = _report(exc, rank)
+            report = (_class_path(exc), causes)
+
+        def raise_as(_what: str, reports: dict[int, tuple[str, dict[int, str]]]) -> BaseException:
+            upstream = _upstream_class(reports[min(reports)][0])
+            causes = attribute({r: causes for r, (_cls, causes) in reports.items()})
+            return load_error_type(upstream)(checkpoint_dir, causes, failures)
+
+        agree(False, report, f"loading {checkpoint_dir}", raise_as=raise_as)
         return result
 
     return load
@@ -92,7 +142,7 @@ def clear_load_errors(original: Callable[..., Any]) -> Callable[..., Any]:
 
 PATCHES: tuple[Patch, ...] = (
     Patch(
-        name="load.clear_errors",
+        name="load_errors.load",
         target="megatron.core.dist_checkpointing.serialization",
         attr="load",
         build=clear_load_errors,

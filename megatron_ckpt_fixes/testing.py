@@ -28,10 +28,15 @@ class RankResult:
     error_type: str | None = None  # class name; exceptions themselves may not pickle
     error: str | None = None  # str(exception)
     trace: str | None = None
+    error_classes: tuple[str, ...] = ()  # names along the exception's MRO
 
     @property
     def ok(self) -> bool:
         return self.error_type is None
+
+    def raised(self, class_name: str) -> bool:
+        """Whether the rank raised an instance of a class of that name (``except`` would catch)."""
+        return class_name in self.error_classes
 
 
 class RanksFailed(AssertionError):
@@ -59,7 +64,8 @@ def _worker(rank: int, world_size: int, init_method: str, fn: Callable, args: tu
         value = fn(rank, world_size, *args)
         results.put(RankResult(rank, value))
     except BaseException as exc:  # CheckpointException derives from BaseException
-        results.put(RankResult(rank, None, type(exc).__name__, str(exc), traceback.format_exc()))
+        results.put(RankResult(rank, None, type(exc).__name__, str(exc), traceback.format_exc(),
+                               tuple(cls.__name__ for cls in type(exc).__mro__)))
     finally:
         dist.destroy_process_group()
 

@@ -26,6 +26,21 @@ def backend_uses_cuda(group: Any = None) -> bool:
     return torch.cuda.is_available() and ("nccl" in backend or "cuda" in backend)
 
 
+def cuda_collectives_reason() -> str | None:
+    """Why megatron-core's CUDA calls are right in this process, or None where they are not.
+
+    They are right when CUDA is available and collectives run on CUDA: the default process
+    group is NCCL, or none exists yet (``install()`` usually runs before
+    ``init_process_group``; on a CUDA machine that group is NCCL in practice).
+    """
+    if not torch.cuda.is_available():
+        return None
+    if dist.is_available() and dist.is_initialized() and not backend_uses_cuda():
+        return None
+    return ("CUDA is available and collectives run on CUDA (NCCL), so megatron-core keeps "
+            "the real torch")
+
+
 def collective_device(group: Any = None) -> torch.device:
     """The device tensors must live on for collectives of ``group``."""
     if backend_uses_cuda(group):
@@ -62,6 +77,19 @@ class _BackendAwareCuda(types.SimpleNamespace):
     def synchronize(self, device: Any = None) -> None:
         if self._cuda.is_available() and self._cuda.is_initialized():
             self._cuda.synchronize(device)
+
+    # megatron-core's persistent async checkpoint worker pins itself with
+    # ``set_device(rank % device_count())``: without a CUDA backend the process has one
+    # device, the CPU, and there is nothing to pin.
+
+    def device_count(self) -> int:
+        if backend_uses_cuda():
+            return self._cuda.device_count()
+        return 1
+
+    def set_device(self, device: Any) -> None:
+        if backend_uses_cuda():
+            self._cuda.set_device(device)
 
     # The CUDA RNG calls below exist for code that saves/restores "all" RNG states around a
     # step (the rerun state machine, the tensor-parallel RNG tracker). Without a CUDA backend

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .._patching import Patch
+from .cpu import backend_aware_torch_patch
 from .device import BackendAwareTorch, _BackendAwareCuda, backend_uses_cuda
 
 #: Environment variable naming the CPU "device" a rank runs on (see the module docstring).
@@ -53,12 +54,6 @@ class RerunMachineTorch(BackendAwareTorch):
 
 
 PATCHES: tuple[Patch, ...] = (
-    Patch(
-        name="rerun-cpu.rerun_state_machine",
-        target="megatron.core.rerun_state_machine",
-        attr="torch",
-        build=RerunMachineTorch,
-        why="the rerun state machine reduces on a hard-coded CUDA device and saves CUDA RNG state; "
-            "follow the process group's backend instead",
-    ),
+    backend_aware_torch_patch("megatron.core.rerun_state_machine",
+                              "compat.rerun_device.rerun_state_machine", RerunMachineTorch),
 )

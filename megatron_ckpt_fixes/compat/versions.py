@@ -1,4 +1,9 @@
-"""Version gates: which megatron-core releases the patches know how to fix."""
+"""The megatron-core releases the fixes are tested with.
+
+What a release *does* is detected from its behaviour and its symbols (see
+:mod:`megatron_ckpt_fixes._patching`); this range only says which releases the fixes have
+been run against (0.16.1 and 0.19.2 in CI, 0.17.1 and 0.18.2 by the detection tests).
+"""
 
 from __future__ import annotations
 
@@ -8,13 +13,10 @@ from importlib.metadata import PackageNotFoundError, version
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-#: Releases whose checkpoint internals the patches were written against and tested with
-#: (0.16.1 in CI, 0.19.2 by hand). Outside this range internals may have moved: refuse loudly.
+from ..errors import UnsupportedVersionError
+
+#: Releases whose checkpoint internals the patches were written against and tested with.
 SUPPORTED_MCORE = SpecifierSet(">=0.16,<0.20")
-
-
-class UnsupportedVersionError(RuntimeError):
-    """The installed megatron-core is outside the range these patches support."""
 
 
 @lru_cache(maxsize=None)

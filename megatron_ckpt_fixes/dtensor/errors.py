@@ -7,8 +7,10 @@ is what users got upstream.
 
 from __future__ import annotations
 
+from ..errors import MegatronCkptFixesError
 
-class PlacementError(ValueError):
+
+class PlacementError(MegatronCkptFixesError, ValueError):
     """A local shard, its placements, its mesh and its global shape do not fit together."""
 
     def __init__(self, key: str, rank: int | None, problem: str) -> None:

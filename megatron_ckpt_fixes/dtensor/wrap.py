@@ -8,8 +8,9 @@ local shard never forces a full tensor to be materialized. Global shape and cont
 stride are always passed to ``DTensor.from_local``: without them it assumes equal local
 shapes on every rank and infers a wrong global shape for uneven shards.
 
-:func:`wrap_state_dict` is collective: one ``all_gather_object`` of every rank's local
-shapes and local errors, from which every rank computes the same global shapes and the same
+:func:`wrap_state_dict` is collective: one gather of every rank's local shapes and local
+errors (:func:`megatron_ckpt_fixes.agreement.gather`), from which every rank computes the same
+global shapes and the same
 verdict, so a bad layout on one rank is the same :class:`LayoutAgreementError` everywhere.
 """
 
@@ -26,7 +27,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
-from .agreement import KeyReport, Problem, RankReport, agree
+from ..agreement import gather
+from .verdict import KeyReport, Problem, RankReport, verdict
 from .errors import LayoutAgreementError, PlacementError
 from .placements import (contiguous_stride, is_sharded, merge_param_sharding,
                          normalize_placements)
@@ -117,16 +119,14 @@ def wrap_state_dict(state_dict: Mapping[str, Any], layouts: Mapping[str, Checkpo
             problems.append((key, rank, exc.problem))
     mine = RankReport(rank, tuple(problems),
                       {k: _report(p) for k, p in plans.items() if not p.keep})
-    reports: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(reports, mine, group=group)
-    verdict = agree(reports)
-    if verdict.problems:
-        raise LayoutAgreementError(list(verdict.problems))
+    agreed = verdict(gather(mine, group))
+    if agreed.problems:
+        raise LayoutAgreementError(list(agreed.problems))
     out = dict(state_dict)
     for key, plan in plans.items():
         if not plan.keep:
             out[key] = from_local_exact(plan.local, plan.mesh, plan.placements,
-                                        verdict.global_shapes[key])
+                                        agreed.global_shapes[key])
     logger.debug("wrapped %d of %d keys with checkpoint layouts", len(plans), len(state_dict))
     return out
 

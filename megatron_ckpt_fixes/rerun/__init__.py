@@ -1,5 +1,6 @@
-"""Rerun state machine checkpointing: the always-present sentinel ShardedObject."""
+"""Rerun state machine checkpointing: the always-present sentinel ShardedObject
+(:mod:`.sentinel`) and the determinism-stats report (:mod:`.stats_report`)."""
 
-from .sentinel import PATCHES, RERUN_STATE_KEY
+from .sentinel import RERUN_STATE_KEY
 
-__all__ = ["PATCHES", "RERUN_STATE_KEY"]
+__all__ = ["RERUN_STATE_KEY"]

@@ -1,8 +1,8 @@
-"""The rerun state machine always emits its ShardedObject (upstream from megatron-core 0.17).
+"""The rerun state machine always emits its ShardedObject, so fault checkpoints load.
 
-In megatron-core 0.16 ``RerunStateMachine.state_dict()`` returns None in steady state and a
-``ShardedObject("rerun_state_machine_state", ...)`` only while a fault is pending, so the
-checkpoint's structure changes exactly when a fault checkpoint is written. The sentinel
+In megatron-core before 0.18 ``RerunStateMachine.state_dict()`` returns None in steady state
+and a ``ShardedObject("rerun_state_machine_state", ...)`` only while a fault is pending, so
+the checkpoint's structure changes exactly when a fault checkpoint is written. The sentinel
 keeps the structure constant: in NOT_RUNNING_YET the same object is emitted with the
 machine's idle values (and no data-iterator state), built by upstream's own code path
 (``force=True`` with no data iterator). Upstream's semantics are kept: DISABLED mode and
@@ -10,6 +10,10 @@ non-``torch_dist`` formats still return None on save; ``force=True`` (the load t
 untouched; ``validate_state_dict`` already ignores a NOT_RUNNING_YET state, so sentinels load
 as no-ops. The structure signature (:mod:`megatron_ckpt_fixes.structure`) would replan
 anyway; the sentinel additionally keeps the cached fast path on fault checkpoints.
+
+Whether upstream already does this is asked of upstream itself
+(:func:`upstream_emits_sentinel`): the wheels of 0.17.x still return None, 0.18.0 is the
+first that emits the sentinel.
 """
 
 from __future__ import annotations
@@ -17,19 +21,29 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable
 
-from packaging.version import Version
-
 from .._patching import Patch
-from ..compat import versions
+from ..compat.detect import probe_world, quiet
 
 RERUN_STATE_KEY = "rerun_state_machine_state"
-
-#: First megatron-core release that emits the sentinel itself.
-UPSTREAM_SENTINEL_SINCE = Version("0.17")
+_RSM = "megatron.core.rerun_state_machine"
 
 
-def upstream_lacks_sentinel() -> bool:
-    return Version(versions.mcore_version().base_version) < UPSTREAM_SENTINEL_SINCE
+def upstream_emits_sentinel() -> str | None:
+    """Ask a fresh machine in NOT_RUNNING_YET (validate mode) for its torch_dist state dict.
+
+    Returns why the patch is not needed (upstream emits the object), or None.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+    from megatron.core.rerun_state_machine import RerunMode, RerunStateMachine
+
+    with quiet(_RSM), probe_world():
+        emitted = RerunStateMachine(mode=RerunMode.VALIDATE_RESULTS).state_dict(None, "torch_dist")
+    if emitted is None:
+        return None
+    if not any(isinstance(v, ShardedObject) for v in emitted.values()):
+        raise TypeError(f"RerunStateMachine.state_dict returned {sorted(emitted)} in "
+                        "NOT_RUNNING_YET, without a ShardedObject: unknown behaviour")
+    return "RerunStateMachine.state_dict already emits its ShardedObject in NOT_RUNNING_YET"
 
 
 def always_emit(original: Callable[..., Any]) -> Callable[..., Any]:
@@ -48,11 +62,12 @@ def always_emit(original: Callable[..., Any]) -> Callable[..., Any]:
 
 PATCHES: tuple[Patch, ...] = (
     Patch(
-        name="rerun.sentinel",
-        target="megatron.core.rerun_state_machine:RerunStateMachine",
+        name="rerun.sentinel.state_dict",
+        target=f"{_RSM}:RerunStateMachine",
         attr="state_dict",
         build=always_emit,
-        needed=upstream_lacks_sentinel,
+        reads=(f"{_RSM}:RerunMode", f"{_RSM}:RerunState"),
+        not_needed=upstream_emits_sentinel,
         why="the rerun state ShardedObject exists in every torch_dist checkpoint, not only "
             "in fault checkpoints",
     ),

@@ -2,8 +2,9 @@
 
 A failure that only one rank sees (a bad slot in its window, a duplicate id that landed on
 it) must not leave the other ranks waiting in the next all_to_all. Every phase therefore
-ends with :func:`agree`: one small ``all_gather_object`` of the local problems, after which
-either every rank goes on or every rank raises the same :class:`ReshardError`.
+ends with :func:`check_problems` (through :mod:`megatron_ckpt_fixes.agreement`: one small
+all_reduce, and a gather of the problems only when some rank found one), after which either
+every rank goes on or every rank raises the same :class:`ReshardError`.
 """
 
 from __future__ import annotations
@@ -11,10 +12,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import torch.distributed as dist
+from .. import agreement
+from ..errors import MegatronCkptFixesError
+
+_SHOWN = 20
 
 
-class ReshardError(ValueError):
+class ReshardError(MegatronCkptFixesError, ValueError):
     """A table cannot be resharded as asked; the message names the table, the rank(s), the cause."""
 
 
@@ -23,25 +27,31 @@ def problem(key: str, rank: int, cause: str) -> str:
     return f"table {key!r}, rank {rank}: {cause}"
 
 
-def agree(key: str, problems: Sequence[str], group: Any = None) -> None:
+def _problems_error(key: str) -> agreement.RaiseAs:
+    def raise_as(_what: str, reports: dict[int, list[str]]) -> ReshardError:
+        merged = [line for _rank, lines in sorted(reports.items()) for line in lines]
+        shown = merged[:_SHOWN] + ([f"... and {len(merged) - _SHOWN} more"]
+                                   if len(merged) > _SHOWN else [])
+        return ReshardError(f"cannot reshard table {key!r}:\n  " + "\n  ".join(shown))
+
+    return raise_as
+
+
+def check_problems(key: str, problems: Sequence[str], group: Any = None) -> None:
     """Raise the same :class:`ReshardError` on every rank if any rank reported a problem.
 
     Collective: every rank of ``group`` must call it at the same point, problems or not.
     """
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, list(problems), group=group)
-    merged = [line for lines in gathered for line in lines]
-    if merged:
-        shown = merged[:20] + ([f"... and {len(merged) - 20} more"] if len(merged) > 20 else [])
-        raise ReshardError(f"cannot reshard table {key!r}:\n  " + "\n  ".join(shown))
+    agreement.check(list(problems) or None, f"resharding table {key!r}", group,
+                    raise_as=_problems_error(key))
 
 
-def agree_equal(key: str, what: str, value: Any, group: Any = None) -> None:
+def require_same(key: str, what: str, value: Any, group: Any = None) -> None:
     """Raise on every rank unless all ranks hold the same ``value`` (e.g. a plan)."""
-    gathered: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(gathered, value, group=group)
-    differing = [r for r, v in enumerate(gathered) if v != gathered[0]]
-    if differing:
-        raise ReshardError(
-            f"cannot reshard table {key!r}: ranks {differing} disagree with rank 0 on {what}: "
-            f"{gathered[differing[0]]!r} vs {gathered[0]!r}")
+
+    def raise_as(_what: str, differing: dict[int, str]) -> ReshardError:
+        first = min(differing)
+        return ReshardError(f"cannot reshard table {key!r}: ranks {sorted(differing)} disagree "
+                            f"with rank 0 on {what}: rank {first} {differing[first]}")
+
+    agreement.same(value, what, group, raise_as=raise_as)

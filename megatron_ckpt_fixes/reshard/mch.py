@@ -25,7 +25,8 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, init_from_local_shards
 
-from .errors import ReshardError, agree, agree_equal, problem
+from ..agreement import gather
+from .errors import ReshardError, check_problems, problem, require_same
 from .ownership import BlockOwnership, KeyOwnership
 from .resharder import ReshardReport, ReshardSpec, SavedWindow, reshard
 from .table import MISS_ID, SlotRanges, TableShard, even_bounds
@@ -146,10 +147,10 @@ def _agreed(prefix: str, what: str, compute: Any, group: Any) -> Any:
     rank = dist.get_rank(group)
     try:
         value, problems = compute(), []
-    except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by check_problems()
         value, problems = None, [problem(prefix, rank, f"{what}: {exc}")]
-    agree(prefix, problems, group)
-    agree_equal(prefix, what, value, group)
+    check_problems(prefix, problems, group)
+    require_same(prefix, what, value, group)
     return value
 
 
@@ -173,7 +174,7 @@ def load_mch(checkpoint_id: str, prefix: str, module: ZchTable, rows: Mapping[st
     if saved == target:
         buffers = {b: getattr(module, b) for b in names}
         iters = _read(checkpoint_id, prefix, buffers, rows, target.start(rank), saved, group)
-        agree(prefix, module.table().problems(prefix, rank), group)
+        check_problems(prefix, module.table().problems(prefix, rank), group)
         report = _positional_report(prefix, module, rank, group)
     else:
         windows = even_bounds(saved.total, world)
@@ -218,8 +219,7 @@ def _positional_report(prefix: str, module: ZchTable, rank: int, group: Any) -> 
 
 
 def _current_ranges(prefix: str, module: ZchTable, group: Any) -> SlotRanges:
-    chunks: list[Any] = [None] * dist.get_world_size(group)
-    dist.all_gather_object(chunks, (module.output_global_offset, module.zch_size), group=group)
+    chunks = gather((module.output_global_offset, module.zch_size), group)
     return SlotRanges.from_chunks(prefix, chunks, "current layout")
 
 

@@ -28,7 +28,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .errors import agree, agree_equal, problem
+from .errors import check_problems, problem, require_same
 from .exchange import send_rows
 from .ownership import BlockOwnership, KeyOwnership
 from .table import MISS_ID, SlotRanges, TableShard
@@ -175,7 +175,7 @@ def _local_problems(win: SavedWindow, spec: ReshardSpec, out_rows: Mapping[str, 
                 out.append(problem(spec.key, rank, f"output rows {name!r} are {tuple(base.shape)} "
                                                    f"{base.dtype}, need {size} rows like the saved ones"))
         return out
-    except Exception as exc:  # noqa: BLE001 - reported on every rank by agree()
+    except Exception as exc:  # noqa: BLE001 - reported on every rank by check_problems()
         return [problem(spec.key, rank, f"validation failed: {type(exc).__name__}: {exc}")]
 
 
@@ -204,9 +204,9 @@ def reshard(win: SavedWindow, spec: ReshardSpec, *, out_rows: Mapping[str, torch
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     key = spec.key
-    agree_equal(key, "the reshard spec and column names",
+    require_same(key, "the reshard spec and column names",
                 (spec, sorted(win.metadata), sorted(win.rows)), group)
-    agree(key, _local_problems(win, spec, out_rows, rank, world), group)
+    check_problems(key, _local_problems(win, spec, out_rows, rank, world), group)
 
     # Phase 1: entries to the owner of their id.
     real = (win.ids != MISS_ID).nonzero().squeeze(1)
@@ -220,7 +220,7 @@ def reshard(win: SavedWindow, spec: ReshardSpec, *, out_rows: Mapping[str, torch
         ids, old_slots, *meta = (c.index_select(0, order) for c in got.columns)
     del got
     dup = ids[1:] == ids[:-1]
-    agree(key, [problem(key, rank, f"id {int(ids[1:][dup][0])} appears {int(dup.sum()) + 1}+ times "
+    check_problems(key, [problem(key, rank, f"id {int(ids[1:][dup][0])} appears {int(dup.sum()) + 1}+ times "
                                    "in the saved table")] if bool(dup.any()) else [], group)
 
     # Phase 2: keep what fits, give new slots, ask the row holders.
@@ -240,7 +240,7 @@ def reshard(win: SavedWindow, spec: ReshardSpec, *, out_rows: Mapping[str, torch
     asked = send_rows([req_old, req_new, req_kind], holder, group=group)
     a_old, a_new, a_kind = asked.columns
     uses = torch.bincount(a_old[a_kind == _ENTRY] - win.start, minlength=int(win.ids.numel()))
-    agree(key, [problem(key, rank, f"saved slot {win.start + int(uses.argmax())} is mapped from "
+    check_problems(key, [problem(key, rank, f"saved slot {win.start + int(uses.argmax())} is mapped from "
                                    f"{int(uses.max())} ids")] if bool((uses > 1).any()) else [], group)
     del uses
 

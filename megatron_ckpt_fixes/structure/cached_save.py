@@ -4,9 +4,16 @@ megatron-core caches, under that flag, the local and central save plans, the glo
 metadata (also the one read back at load), and in the fully-parallel wrapper the shard
 distribution; none of them is ever checked against the state dict being saved. These patches
 wrap the strategies' save entry points (``save`` and ``async_save``; the fully-parallel
-wrapper's ``save`` does not go through its ``async_save``): before the upstream code runs, the :class:`~.guard.StructureGuard` decides collectively whether the
-structure changed, and if so every cache layer of that strategy is reset so upstream replans
-from scratch. Unchanged structure takes upstream's cached fast path untouched.
+wrapper's ``save`` does not go through its ``async_save``): before the upstream code runs,
+the :class:`~.guard.StructureGuard` decides collectively whether the structure changed (or
+the previous save failed on some rank), and if so every rank resets every cache layer of
+that strategy so upstream replans from scratch. Unchanged structure takes upstream's cached
+fast path untouched.
+
+The cache attributes are upstream's private state, so the patches probe a freshly built
+caching strategy at ``install()``: each attribute reset here must exist, and any attribute
+that looks like a cache but is not known here is refused (a cache this fix cannot reset is
+a stale plan waiting to happen).
 """
 
 from __future__ import annotations
@@ -17,13 +24,12 @@ import logging
 import os
 from typing import Any, Callable
 
-from megatron.core.dist_checkpointing.strategies import cached_metadata_filesystem_reader
-
 from .._patching import Patch
 from .guard import StructureGuard
 
+_STRATEGIES = "megatron.core.dist_checkpointing.strategies"
+
 #: Every save-plan cache attribute of TorchDistSaveShardedStrategy, with its empty value.
-#: ``_metadata_cache`` is the nvidia-resiliency-ext cache of megatron-core >= 0.19.
 PLAN_CACHES: dict[str, Any] = {
     "cached_central_plan": None,
     "cached_local_plan": None,
@@ -32,6 +38,8 @@ PLAN_CACHES: dict[str, Any] = {
     "validated_loaded_metadata_reuse": False,
     "_metadata_cache": None,
 }
+#: Caches not every supported release has: the CheckpointMetadataCache of megatron-core >= 0.17.
+LATER_PLAN_CACHES = frozenset({"_metadata_cache"})
 #: The fully-parallel wrapper's cached shard distribution.
 DISTRIBUTION_CACHES: dict[str, Any] = {"cached_distribution": None}
 
@@ -44,7 +52,7 @@ _OUTER_SAVE: contextvars.ContextVar[bool] = contextvars.ContextVar("mcf_outer_sa
 
 
 def drop_caches(strategy: Any, caches: dict[str, Any]) -> None:
-    """Reset the cache attributes ``strategy`` has (attribute sets differ across versions)."""
+    """Reset the cache attributes ``strategy`` has (checked at install, see the probes)."""
     for attr, empty in caches.items():
         if hasattr(strategy, attr):
             setattr(strategy, attr, empty)
@@ -61,6 +69,8 @@ def forget_reader_metadata(checkpoint_dir: Any) -> None:
     megatron-core >= 0.19 caches loaded metadata per path for the life of the process, so
     a checkpoint rewritten at the same path would be read with its old metadata.
     """
+    from megatron.core.dist_checkpointing.strategies import cached_metadata_filesystem_reader
+
     cache = getattr(cached_metadata_filesystem_reader.CachedMetadataFileSystemReader,
                     "_metadata_cache", None)
     if isinstance(cache, dict):
@@ -91,8 +101,7 @@ def guarded_save(original: Callable[..., Any], caching: Callable[[Any], bool],
         try:
             return original(self, sharded_state_dict, checkpoint_dir, *args, **kwargs)
         except BaseException:
-            drop_caches(self, caches)
-            guard.forget()
+            guard.save_failed()
             raise
         finally:
             _OUTER_SAVE.reset(token)
@@ -101,27 +110,66 @@ def guarded_save(original: Callable[..., Any], caching: Callable[[Any], bool],
     return save
 
 
-def _guarded_entry_points(prefix: str, target: str, caching: Callable[[Any], bool],
-                          caches: dict[str, Any], why: str) -> tuple[Patch, ...]:
+def cache_attribute_problems(fresh: Any, switch: str, caches: dict[str, Any],
+                             optional: frozenset[str] = frozenset()) -> list[str]:
+    """What a freshly built caching strategy lacks, or holds beyond what the fix resets."""
+    what = type(fresh).__name__
+    attrs = set(vars(fresh))
+    problems = [f"a caching {what} has no attribute {a!r}"
+                for a in (switch, *caches) if a not in attrs and a not in optional]
+    unknown = sorted(a for a in attrs - set(caches) - {switch}
+                     if "cache" in a.lower() or a.startswith("validated"))
+    problems += [f"a caching {what} has attribute {a!r}, which looks like a cache the "
+                 "structure fix does not know how to reset" for a in unknown]
+    return problems
+
+
+def _plan_cache_probe() -> list[str]:
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    return cache_attribute_problems(
+        TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True),
+        "use_cached_ckpt_structure", PLAN_CACHES, LATER_PLAN_CACHES)
+
+
+def _distribution_cache_probe() -> list[str]:
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelSaveStrategyWrapper)
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    base = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
+    return cache_attribute_problems(
+        FullyParallelSaveStrategyWrapper(base, None, do_cache_distribution=True),
+        "do_cache_distribution", DISTRIBUTION_CACHES)
+
+
+def _guarded_entry_points(prefix: str, target: str, switch: str, caches: dict[str, Any],
+                          probe: Callable[[], list[str]], why: str) -> tuple[Patch, ...]:
+    def caching(strategy: Any) -> bool:
+        return bool(getattr(strategy, switch))
+
     return tuple(
         Patch(name=f"{prefix}.{attr}", target=target, attr=attr,
-              build=lambda original: guarded_save(original, caching, caches), why=why)
+              build=lambda original: guarded_save(original, caching, caches),
+              reads=(f"{_STRATEGIES}.cached_metadata_filesystem_reader:"
+                     "CachedMetadataFileSystemReader",),
+              probes=(probe,), why=why)
         for attr in ("save", "async_save")
     )
 
 
-_STRATEGIES = "megatron.core.dist_checkpointing.strategies"
-
 PATCHES: tuple[Patch, ...] = _guarded_entry_points(
-    "structure.cached_plan",
+    "structure.cached_save.plan",
     f"{_STRATEGIES}.torch:TorchDistSaveShardedStrategy",
-    lambda s: bool(getattr(s, "use_cached_ckpt_structure", False)),
+    "use_cached_ckpt_structure",
     PLAN_CACHES,
+    _plan_cache_probe,
     "cached save plans are reused only while every rank's structure signature holds",
 ) + _guarded_entry_points(
-    "structure.cached_distribution",
+    "structure.cached_save.distribution",
     f"{_STRATEGIES}.fully_parallel:FullyParallelSaveStrategyWrapper",
-    lambda s: bool(getattr(s, "do_cache_distribution", False)),
+    "do_cache_distribution",
     DISTRIBUTION_CACHES,
+    _distribution_cache_probe,
     "the cached fully-parallel shard distribution is dropped when the structure changes",
 )

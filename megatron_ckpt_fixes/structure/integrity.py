@@ -16,13 +16,22 @@ import zlib
 from collections import defaultdict
 from typing import Any, Callable
 
-import torch.distributed as dist
 from megatron.core.dist_checkpointing import validation
 from megatron.core.dist_checkpointing.core import CheckpointingException
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from .._patching import Patch
-from ..collective import CollectiveError, agree
+from ..agreement import check, describe_failures, rank_and_size
+from ..errors import MegatronCkptFixesError
+
+
+class ShardingValidationError(MegatronCkptFixesError, CheckpointingException):
+    """The state dict to save is sharded inconsistently; raised on every rank (upstream
+    raises its ``CheckpointingException`` on rank 0 only)."""
+
+    def __init__(self, what: str, errors: dict[int, Any]) -> None:
+        self.errors = errors
+        super().__init__(describe_failures(what, errors))
 
 
 def key_owner(key: str, world_size: int) -> int:
@@ -53,8 +62,7 @@ def collective_validation(_rank0_only: Callable[..., None]) -> Callable[..., Non
     """Replaces the rank-0-only check; the per-key validators are upstream's."""
 
     def validate_sharding_integrity(global_metadata: Any, common_state_dict: Any = None) -> None:
-        rank = dist.get_rank() if dist.is_initialized() else 0
-        world_size = dist.get_world_size() if dist.is_initialized() else 1
+        rank, world_size = rank_and_size()
         error = None
         try:
             if common_state_dict is not None:
@@ -64,28 +72,23 @@ def collective_validation(_rank0_only: Callable[..., None]) -> Callable[..., Non
                 error = "; ".join(problems)
         except Exception as exc:  # noqa: BLE001 - re-raised on every rank below
             error = f"{type(exc).__name__}: {exc}"
-        try:
-            agree(False, error, "sharding validation of the state dict to save")
-        except CollectiveError as exc:
-            raise CheckpointingException(str(exc)) from exc
+        check(error, "sharding validation of the state dict to save",
+              raise_as=ShardingValidationError)
 
     return functools.wraps(_rank0_only)(validate_sharding_integrity)
-
-
-def _upstream_validators_present() -> bool:
-    return all(hasattr(validation, name) for name in (
-        "_validate_sharding_for_key", "_validate_objects_for_key", "_validate_common_state_dict"))
 
 
 _DC = "megatron.core.dist_checkpointing"
 
 PATCHES: tuple[Patch, ...] = (
     Patch(
-        name="structure.collective_validation",
+        name="structure.integrity.validate_sharding_integrity",
         target=f"{_DC}.validation",
         attr="validate_sharding_integrity",
         build=collective_validation,
-        needed=_upstream_validators_present,
+        reads=tuple(f"{_DC}.validation:{name}" for name in (
+            "_validate_sharding_for_key", "_validate_objects_for_key",
+            "_validate_common_state_dict")),
         aliases=(f"{_DC}.state_dict_utils", f"{_DC}.strategies.fully_parallel"),
         why="sharding is validated by all ranks (keys split) and an invalid one raises the same "
             "error on every rank instead of hanging the rest",

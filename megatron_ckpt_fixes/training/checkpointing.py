@@ -33,7 +33,7 @@ from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShard
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.rerun_state_machine import RerunStateMachine
 
-from ..collective import agree
+from ..agreement import check
 from . import layout, rng
 
 logger = logging.getLogger(__name__)
@@ -140,7 +140,7 @@ class Checkpointer:
     def _commit(root: Path, iteration: int) -> None:
         # Every rank reaching this point has finalized its part; the collective proves that
         # all of them did before the tracker may name the checkpoint.
-        agree(False, None, f"checkpoint save of iteration {iteration}")
+        check(None, f"checkpoint save of iteration {iteration}")
         if dist.get_rank() == 0:
             final = layout.publish(root, iteration)
             logger.info("saved checkpoint %s", final)

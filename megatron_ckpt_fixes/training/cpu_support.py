@@ -1,6 +1,7 @@
 """What the example training loop needs to run megatron-core's GPTModel and optimizer on gloo.
 
-Not a checkpoint fix, so an optional ``install()`` feature (``install(["training-cpu"])``):
+Not a checkpoint fix, so an optional ``install()`` feature
+(``install(["training.cpu_support"])``):
 these are the CUDA hard-codings on the
 *training* path (``GlobalMemoryBuffer`` allocates attention scratch on
 the current CUDA device, the tensor-parallel RNG tracker seeds, saves and restores the
@@ -16,7 +17,7 @@ from typing import Any, Callable
 
 from .._patching import Patch
 from ..compat.cpu import backend_aware_torch_patch
-from ..compat.device import backend_uses_cuda
+from ..compat.device import backend_uses_cuda, cuda_collectives_reason
 
 _TP_RANDOM = "megatron.core.tensor_parallel.random"
 
@@ -41,14 +42,15 @@ def _skip_without_cuda(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 PATCHES: tuple[Patch, ...] = tuple(
-    backend_aware_torch_patch(mod, f"training-cpu.{mod.rsplit('.', 1)[1]}")
+    backend_aware_torch_patch(mod, f"training.cpu_support.{mod.rsplit('.', 1)[1]}")
     for mod in TRAINING_CUDA_MODULES
 ) + (
     Patch(
-        name="training-cpu.set_cuda_rng_state",
+        name="training.cpu_support.set_cuda_rng_state",
         target=_TP_RANDOM,
         attr="_set_cuda_rng_state",
         build=_skip_without_cuda,
+        not_needed=cuda_collectives_reason,
         why="the RNG tracker restores the CUDA generator after each fork; no-op without CUDA",
     ),
 )

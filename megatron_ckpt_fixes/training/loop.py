@@ -44,7 +44,7 @@ from .model import (
 logger = logging.getLogger(__name__)
 
 #: Features for ``--upstream-only``: megatron-core's own behaviour, made runnable on gloo.
-UPSTREAM_FEATURES = ("cpu", "rerun-cpu")
+UPSTREAM_FEATURES = ("compat.cpu", "compat.rerun_device")
 
 
 @dataclass
@@ -75,7 +75,7 @@ def setup(args: Any) -> Job:
         if args.clip_grad > 0:
             raise SystemExit("--clip-grad > 0 needs CUDA: megatron-core's "
                              "clip_grad_by_total_norm_fp32 asserts CUDA tensors")
-        megatron_ckpt_fixes.install(["training-cpu"])
+        megatron_ckpt_fixes.install(["training.cpu_support"])
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size)
     rng.seed_all(args.seed)

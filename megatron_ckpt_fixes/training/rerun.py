@@ -1,6 +1,6 @@
 """megatron-core's rerun state machine, set up and fed the way Megatron-LM does it.
 
-The machine itself is upstream's, unchanged (on CPU it runs through the ``rerun-cpu``
+The machine itself is upstream's, unchanged (on CPU it runs through the ``compat.rerun_device``
 feature). Megatron-LM validates the local loss every step: NaN and Inf checks that are fatal
 (a reproducible bad result means checkpoint, exit 16, rerun elsewhere, exit 17 when judged),
 and optionally a spiky-loss check that is not. Errors are injected by upstream's

@@ -3,7 +3,7 @@
 Each scenario warms megatron-core's plan cache with three saves, changes the structure (on
 all ranks, or on one rank only), saves again and loads: with ``install()`` every value,
 dtype and shape loads back exactly and the checkpoint's metadata is right. The upstream twin
-(``install(["cpu"])``: plain megatron-core made runnable on gloo) shows each failure as
+(``install(["compat.cpu"])``: plain megatron-core made runnable on gloo) shows each failure as
 upstream has it today; if upstream fixes one, its twin fails and the fix can go.
 
 The scenarios run batched in as few process groups as possible (each spawn imports
@@ -18,7 +18,7 @@ from structure_scenarios import CHANGES, Outcome, scenarios_worker
 from megatron_ckpt_fixes.testing import run_ranks
 
 WS = 2
-UPSTREAM = ["cpu"]
+UPSTREAM = ["compat.cpu"]
 
 PATCHED_RUNS = [(change, "plain", False) for change in CHANGES] + [
     ("swap_slices", "fully_parallel", False),

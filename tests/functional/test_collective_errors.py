@@ -30,7 +30,7 @@ def _overlapping_save(rank: int, ws: int, features: list[str] | None) -> str:
 
 def test_upstream_invalid_sharding_fails_on_rank0_only():
     """Upstream: rank 0 raises, the other rank never gets that error (it hangs or breaks)."""
-    results = run_ranks(_overlapping_save, 2, ["cpu"], check=False, timeout_s=90,
+    results = run_ranks(_overlapping_save, 2, ["compat.cpu"], check=False, timeout_s=90,
                         collective_timeout_s=15)
     assert results[0] is not None and results[0].error_type == "CheckpointingException"
     other = results[1]
@@ -39,7 +39,9 @@ def test_upstream_invalid_sharding_fails_on_rank0_only():
 
 def test_invalid_sharding_raises_the_same_error_on_every_rank():
     results = run_ranks(_overlapping_save, 2, None, check=False, timeout_s=90)
-    assert all(r is not None and r.error_type == "CheckpointingException" for r in results)
+    assert all(r is not None and r.error_type == "ShardingValidationError" for r in results)
+    assert all(r.raised("CheckpointingException") and r.raised("MegatronCkptFixesError")
+               for r in results)
     assert results[0].error == results[1].error
     assert "'w'" in results[0].error or "key='w'" in results[0].error
     assert re.search(r"rank \d: ", results[0].error)
@@ -51,7 +53,7 @@ def _errors_worker(rank: int, ws: int) -> dict[str, str]:
     from megatron.core import dist_checkpointing as dc
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
-    from megatron_ckpt_fixes.collective import CollectiveError, agree
+    from megatron_ckpt_fixes.agreement import AgreementError, agree
     from megatron_ckpt_fixes.load_errors import CheckpointLoadError
 
     megatron_ckpt_fixes.install()
@@ -60,7 +62,7 @@ def _errors_worker(rank: int, ws: int) -> dict[str, str]:
     assert agree(False, None, "vote") is False
     try:
         agree(False, "key 'emb': cannot plan" if rank == 1 else None, "planning")
-    except CollectiveError as exc:
+    except AgreementError as exc:
         out["agree"] = str(exc)
 
     root = [tempfile.mkdtemp() if rank == 0 else None]

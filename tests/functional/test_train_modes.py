@@ -1,7 +1,7 @@
 """--rerun-mode report_determinism_stats: every step is rerun in place and reported on.
 
 Upstream 0.16 crashes at the first report (``Caller`` has no ``filename``); with the
-``rerun-stats`` fix the job finishes, and rerunning each step changes no result.
+``rerun.stats_report`` fix the job finishes, and rerunning each step changes no result.
 """
 
 from __future__ import annotations

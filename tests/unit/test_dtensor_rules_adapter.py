@@ -10,7 +10,7 @@ import torch
 from torch.distributed.tensor.placement_types import Replicate, Shard
 
 from megatron_ckpt_fixes import dtensor as mdt
-from megatron_ckpt_fixes.dtensor.agreement import KeyReport, RankReport, agree
+from megatron_ckpt_fixes.dtensor.verdict import KeyReport, RankReport, verdict
 
 MESH = SimpleNamespace(mesh_dim_names=("dp", "ep"), ndim=2)  # all a rule reads of a mesh
 
@@ -76,26 +76,26 @@ def _report(rank, coord, local_shape, placements=(Shard(0),), mesh_shape=(2,), g
 
 
 def test_agreement_infers_uneven_global_shape():
-    verdict = agree([_report(0, (0,), (3, 4)), _report(1, (1,), (2, 4))])
-    assert verdict.global_shapes == {"w": (5, 4)} and verdict.problems == ()
+    result = verdict([_report(0, (0,), (3, 4)), _report(1, (1,), (2, 4))])
+    assert result.global_shapes == {"w": (5, 4)} and result.problems == ()
 
 
 def test_agreement_reports_a_rank_with_another_layout():
-    verdict = agree([_report(0, (0,), (3, 4)), _report(1, (1,), (5, 2), (Shard(1),))])
-    (key, rank, problem), = verdict.problems
+    result = verdict([_report(0, (0,), (3, 4)), _report(1, (1,), (5, 2), (Shard(1),))])
+    (key, rank, problem), = result.problems
     assert (key, rank) == ("w", 1) and "differs from rank 0" in problem
 
 
 def test_agreement_reports_a_rank_without_the_key():
-    verdict = agree([_report(0, (0,), (3, 4)), RankReport(1)])
-    assert verdict.problems == (("w", None, "ranks [1] of the checkpoint mesh have no local "
+    result = verdict([_report(0, (0,), (3, 4)), RankReport(1)])
+    assert result.problems == (("w", None, "ranks [1] of the checkpoint mesh have no local "
                                             "shard for this key"),)
 
 
 def test_agreement_keeps_local_problems_and_skips_their_key():
     local = RankReport(1, (("w", 1, "bad placements"),))
-    verdict = agree([_report(0, (0,), (3, 4)), local])
-    assert verdict.problems == (("w", 1, "bad placements"),) and verdict.global_shapes == {}
+    result = verdict([_report(0, (0,), (3, 4)), local])
+    assert result.problems == (("w", 1, "bad placements"),) and result.global_shapes == {}
 
 
 def test_copy_into_an_empty_shard_is_a_no_op():

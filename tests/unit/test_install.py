@@ -1,18 +1,25 @@
-"""install() is idempotent and version-aware; uninstall() restores the exact originals."""
+"""install() checks what it needs, applies all or nothing, detects upstream behaviour, and
+uninstall() restores the exact originals."""
 
 from __future__ import annotations
 
+import sys
+import types
+
 import pytest
+import torch
 from packaging.version import Version
 
 import megatron_ckpt_fixes
-from megatron_ckpt_fixes import FEATURES, UnsupportedVersionError
-from megatron_ckpt_fixes._patching import _MISSING, _raw, resolve
+from megatron_ckpt_fixes import FEATURES, OPTIONAL_FEATURES, UnsupportedVersionError
+from megatron_ckpt_fixes._patching import _MISSING, Patch, PatchSet, _raw, resolve
 from megatron_ckpt_fixes.compat import versions
 
+ALL_FEATURES = FEATURES + OPTIONAL_FEATURES
 
-def _declared():
-    return megatron_ckpt_fixes._declared(FEATURES)
+
+def _declared(features=ALL_FEATURES):
+    return megatron_ckpt_fixes._declared(features)
 
 
 def _snapshot():
@@ -20,20 +27,21 @@ def _snapshot():
     snap = {}
     for patch in _declared():
         for owner_name in (patch.target, *patch.aliases):
-            owner = resolve(owner_name)
-            snap[(owner_name, patch.attr)] = _raw(owner, patch.attr)
+            snap[(owner_name, patch.attr)] = _raw(resolve(owner_name), patch.attr)
     return snap
+
+
+def _untouched(before) -> bool:
+    return all(v is before[k] for k, v in _snapshot().items())
 
 
 def test_install_uninstall_restores_exact_originals(clean_install):
     before = _snapshot()
-    names = clean_install.install()
-    assert names and set(names) == set(clean_install.installed())
-    changed = {k for k, v in _snapshot().items() if v is not before[k]}
-    assert changed, "install() patched nothing"
+    names = clean_install.install(ALL_FEATURES)
+    assert names and set(names) <= set(clean_install.installed())
+    assert not _untouched(before), "install() patched nothing"
     clean_install.uninstall()
-    after = _snapshot()
-    assert all(after[k] is before[k] for k in before)
+    assert _untouched(before)
     assert clean_install.installed() == {}
 
 
@@ -41,12 +49,16 @@ def test_install_is_idempotent(clean_install):
     first = clean_install.install()
     snap = _snapshot()
     assert clean_install.install() == first
-    assert all(v is snap[k] for k, v in _snapshot().items())
+    assert _untouched(snap)
 
 
-def test_features_select_patches(clean_install):
-    names = clean_install.install(["cpu"])
-    assert names and all(n.startswith("cpu.") for n in names)
+def test_feature_names_are_module_paths_and_name_their_patches(clean_install):
+    for feature in ALL_FEATURES:
+        module = sys.modules.get(f"megatron_ckpt_fixes.{feature}") or __import__(
+            f"megatron_ckpt_fixes.{feature}", fromlist=["PATCHES"])
+        assert module.PATCHES and all(p.name.startswith(feature + ".") for p in module.PATCHES)
+    names = clean_install.install(["compat.cpu"])
+    assert names and all(n.startswith("compat.cpu.") for n in names)
     with pytest.raises(ValueError, match="unknown features"):
         clean_install.install(["no-such-feature"])
 
@@ -63,21 +75,99 @@ def test_unsupported_megatron_core_is_refused_before_patching(clean_install, mon
     with pytest.raises(UnsupportedVersionError, match=found):
         clean_install.install()
     assert clean_install.installed() == {}
-    assert all(v is before[k] for k, v in _snapshot().items())
+    assert _untouched(before)
 
 
-def test_sentinel_patch_only_where_upstream_lacks_it(clean_install, monkeypatch):
-    monkeypatch.setattr(versions, "mcore_version", lambda: Version("0.19.2"))
-    names = clean_install.install()
-    assert "rerun.sentinel" not in names
-    clean_install.uninstall()
-    monkeypatch.setattr(versions, "mcore_version", lambda: Version("0.16.1"))
-    assert "rerun.sentinel" in clean_install.install()
+# -- every requirement is checked, by name, before anything is touched ---------------------
+
+def _requirement_sites():
+    """(owner, attribute, text the error must contain) for everything a patch that is
+    needed here relies on: the attribute it replaces, the symbols it reads and the aliases it
+    patches."""
+    sites = {}
+    for patch in _declared():
+        if patch.not_needed is not None and patch.not_needed() is not None:
+            continue  # upstream has this fix here: what the patch would read does not matter
+        if not patch.adds:
+            sites[(patch.target, patch.attr)] = (resolve(patch.target), patch.attr,
+                                                  f"{patch.target}.{patch.attr}")
+        for alias in patch.aliases:
+            sites[(alias, patch.attr)] = (resolve(alias), patch.attr, f"{alias}.{patch.attr}")
+        for symbol in patch.reads:
+            owner, _, name = symbol.rpartition(".") if "." in symbol.partition(":")[2] \
+                else (symbol.partition(":")[0], None, symbol.partition(":")[2])
+            sites[(owner, name)] = (resolve(owner), name, name)
+    return sorted(sites.items())
+
+
+SITES = _requirement_sites()
+
+
+@pytest.mark.parametrize("site", [s for s, _ in SITES], ids=lambda s: f"{s[0]}.{s[1]}")
+def test_a_missing_upstream_symbol_is_named_and_nothing_is_patched(clean_install, monkeypatch,
+                                                                   site):
+    owner, attr, text = dict(SITES)[site]
+    before = _snapshot()
+    # Delete it wherever it is defined, so that no base class still provides it.
+    for holder in owner.__mro__ if isinstance(owner, type) else (owner,):
+        if attr in vars(holder):
+            monkeypatch.delattr(holder, attr)
+    with pytest.raises(UnsupportedVersionError) as err:
+        clean_install.install(ALL_FEATURES)
+    assert text in str(err.value) and "nothing was patched" in str(err.value)
+    assert clean_install.installed() == {}
+    monkeypatch.undo()
+    assert _untouched(before)
+
+
+@pytest.mark.parametrize("strategy, attr", [
+    ("torch:TorchDistSaveShardedStrategy", "use_cached_ckpt_structure"),
+    ("torch:TorchDistSaveShardedStrategy", "cached_local_plan"),
+    ("torch:TorchDistSaveShardedStrategy", "cached_central_plan"),
+    ("torch:TorchDistSaveShardedStrategy", "cached_global_metadata"),
+    ("torch:TorchDistSaveShardedStrategy", "validated_cache_reuse"),
+    ("torch:TorchDistSaveShardedStrategy", "validated_loaded_metadata_reuse"),
+    ("fully_parallel:FullyParallelSaveStrategyWrapper", "do_cache_distribution"),
+    ("fully_parallel:FullyParallelSaveStrategyWrapper", "cached_distribution"),
+])
+def test_a_renamed_strategy_attribute_is_refused(clean_install, monkeypatch, strategy, attr):
+    """A renamed cache attribute would make the structure fix skip a cache layer silently."""
+    cls = resolve(f"megatron.core.dist_checkpointing.strategies.{strategy}")
+    original_init = cls.__init__
+
+    def renamed_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        setattr(self, f"{attr}_v2", vars(self).pop(attr))
+
+    monkeypatch.setattr(cls, "__init__", renamed_init)
+    before = _snapshot()
+    with pytest.raises(UnsupportedVersionError) as err:
+        clean_install.install(["structure"])
+    assert f"no attribute {attr!r}" in str(err.value)
+    if "cache" in attr or attr.startswith("validated"):
+        assert f"attribute '{attr}_v2', which looks like a cache" in str(err.value)
+    assert _untouched(before)
+
+
+def test_install_is_all_or_nothing_when_applying_fails(clean_install, monkeypatch):
+    """A patch whose build raises (after earlier ones were applied) rolls every one back."""
+    before = _snapshot()
+    last = _declared(FEATURES)[-1]
+
+    def broken(_original):
+        raise RuntimeError("cannot build")
+
+    failing = Patch(name=last.name, target=last.target, attr=last.attr, build=broken,
+                    why=last.why, not_needed=None)
+    module = resolve(f"megatron_ckpt_fixes.{FEATURES[-1]}")
+    monkeypatch.setattr(module, "PATCHES", (*module.PATCHES[:-1], failing))
+    with pytest.raises(RuntimeError, match="cannot build"):
+        clean_install.install()
+    assert clean_install.installed() == {}
+    assert _untouched(before)
 
 
 def test_restore_of_inherited_attribute_deletes_override():
-    from megatron_ckpt_fixes._patching import Patch, PatchSet
-
     class Base:
         def f(self):
             return "base"
@@ -85,20 +175,73 @@ def test_restore_of_inherited_attribute_deletes_override():
     class Child(Base):
         pass
 
-    import types
-    import sys
-
     mod = types.ModuleType("mcf_test_mod")
     mod.Child = Child
     sys.modules["mcf_test_mod"] = mod
     try:
         ps = PatchSet()
-        ps.apply(Patch("t", "mcf_test_mod:Child", "f", lambda orig: lambda self: "patched"))
+        ps.install([Patch("t.f", "mcf_test_mod:Child", "f", lambda orig: lambda self: "patched",
+                          why="test")])
         assert Child().f() == "patched"
         ps.restore_all()
         assert _raw(Child, "f") is _MISSING and Child().f() == "base"
     finally:
         del sys.modules["mcf_test_mod"]
+
+
+def test_optional_patch_with_missing_symbol_is_reported_not_applied():
+    mod = types.ModuleType("mcf_test_opt")
+    sys.modules["mcf_test_opt"] = mod
+    try:
+        ps = PatchSet()
+        applied = ps.install([Patch("t.g", "mcf_test_opt", "g", lambda orig: orig, why="test",
+                                    optional=True)])
+        assert applied == [] and ps.describe()["t.g"].startswith("not applied: optional")
+        with pytest.raises(UnsupportedVersionError, match=r"mcf_test_opt\.g not found"):
+            ps.install([Patch("t.h", "mcf_test_opt", "g", lambda orig: orig, why="test")])
+    finally:
+        del sys.modules["mcf_test_opt"]
+
+
+def test_alias_that_no_longer_holds_the_original_is_refused(clean_install, monkeypatch):
+    """A module that stopped importing the patched function by name (or imports another
+    object now) would keep calling the unpatched one."""
+    import megatron.core.dist_checkpointing.state_dict_utils as sdu
+
+    monkeypatch.setattr(sdu, "validate_sharding_integrity", lambda *a, **k: None)
+    with pytest.raises(UnsupportedVersionError, match="state_dict_utils.validate_sharding_"
+                                                      "integrity is no longer the object"):
+        clean_install.install(["structure"])
+
+
+# -- upstream behaviour, not version numbers ------------------------------------------------
+
+def test_sentinel_decision_does_not_read_the_version(clean_install, monkeypatch):
+    """The decision follows what upstream's state machine does, whatever version it claims."""
+    from megatron_ckpt_fixes.rerun.sentinel import upstream_emits_sentinel
+
+    expected = upstream_emits_sentinel() is None
+    for claimed in ("0.16.1", "0.19.2"):
+        monkeypatch.setattr(versions, "mcore_version", lambda c=claimed: Version(c))
+        clean_install.uninstall()
+        assert ("rerun.sentinel.state_dict" in clean_install.install()) == expected
+
+
+def test_cpu_standin_only_where_collectives_are_not_on_cuda(clean_install, monkeypatch):
+    """On a CUDA process (NCCL or no group yet) megatron-core keeps the real torch object."""
+    from megatron.core.dist_checkpointing.strategies import async_utils, state_dict_saver
+
+    from megatron_ckpt_fixes.compat.device import BackendAwareTorch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    clean_install.install()
+    assert async_utils.torch is torch and state_dict_saver.torch is torch
+    assert clean_install.installed()["compat.cpu.async_utils"].startswith("not applied")
+    clean_install.uninstall()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    clean_install.install()
+    assert isinstance(async_utils.torch, BackendAwareTorch)
+    assert isinstance(state_dict_saver.torch, BackendAwareTorch)
 
 
 def test_load_failures_are_attributed_to_the_rank_that_failed():
@@ -112,9 +255,8 @@ def test_load_failures_are_attributed_to_the_rank_that_failed():
 
 
 def test_optional_features_only_when_named(clean_install):
-    from megatron_ckpt_fixes import OPTIONAL_FEATURES
-
     default = clean_install.install()
-    assert not any(n.startswith("training-cpu") for n in default)
+    assert not any(n.startswith("training.cpu_support") for n in default)
     added = clean_install.install(list(OPTIONAL_FEATURES))
-    assert set(default) < set(added) and any(n.startswith("training-cpu") for n in added)
+    assert set(default) < set(added)
+    assert any(n.startswith("training.cpu_support") for n in added)

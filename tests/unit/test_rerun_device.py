@@ -1,4 +1,4 @@
-"""The unchanged RerunStateMachine runs on gloo/CPU with the rerun-cpu feature."""
+"""The unchanged RerunStateMachine runs on gloo/CPU with the compat.rerun_device feature."""
 
 from __future__ import annotations
 
@@ -13,7 +13,7 @@ def test_machine_reduces_saves_rng_and_names_a_cpu_device(single_rank_group, cle
                                                            monkeypatch):
     from megatron.core import rerun_state_machine as rsm
 
-    clean_install.install(features=("rerun-cpu",))
+    clean_install.install(features=("compat.rerun_device",))
     machine = rsm.RerunStateMachine(mode=rsm.RerunMode.VALIDATE_RESULTS)
 
     assert machine._reduce_any(True) is True
@@ -35,7 +35,7 @@ def test_machine_reduces_saves_rng_and_names_a_cpu_device(single_rank_group, cle
 def test_uninstall_restores_upstream_torch(clean_install):
     from megatron.core import rerun_state_machine as rsm
 
-    clean_install.install(features=("rerun-cpu",))
+    clean_install.install(features=("compat.rerun_device",))
     assert isinstance(rsm.torch, rerun_device.RerunMachineTorch)
     clean_install.uninstall()
     assert rsm.torch is torch

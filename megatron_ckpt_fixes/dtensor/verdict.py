@@ -2,8 +2,9 @@
 
 A rank alone cannot know the global shape of an unevenly sharded tensor, nor whether the
 other ranks use the same layout. So each rank reports, per key, its layout and local shape
-(:class:`KeyReport`); after one ``all_gather_object`` every rank runs :func:`agree` on the
-same reports and reaches the same verdict. Pure functions: testable without processes.
+(:class:`KeyReport`); after one gather (:func:`megatron_ckpt_fixes.agreement.gather`) every
+rank runs :func:`verdict` on the same reports and reaches the same verdict. Pure functions:
+testable without processes.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ class Verdict:
     problems: tuple[Problem, ...]
 
 
-def agree(reports: Sequence[RankReport]) -> Verdict:
+def verdict(reports: Sequence[RankReport]) -> Verdict:
     """Global shape of every key, or every problem found on any rank (same on all ranks)."""
     problems = [p for r in reports for p in r.problems]
     by_key: dict[str, dict[int, KeyReport]] = {}
