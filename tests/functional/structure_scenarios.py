@@ -139,6 +139,9 @@ class Outcome:
     load_error: str | None = None
     wrong_values: list[str] = field(default_factory=list)
     wrong_metadata: list[str] = field(default_factory=list)
+    #: Per save, whether megatron-core's cached plan was validated for reuse after it (the
+    #: next save then takes the fast path, with no planning collective).
+    plan_reuse: list[bool] = field(default_factory=list)
 
     @property
     def exact(self) -> bool:
@@ -146,6 +149,12 @@ class Outcome:
 
 
 def _err(exc: BaseException) -> str:
+    """The error as a line per cause (DCP's CheckpointException: one per failing rank)."""
+    from torch.distributed.checkpoint import CheckpointException
+
+    if isinstance(exc, CheckpointException) and exc.failures:
+        return "; ".join(f"{type(exc).__name__} rank {rank}: {type(e).__name__}: {e}"
+                         for rank, (e, _tb) in sorted(exc.failures.items()))[:2000]
     return f"{type(exc).__name__}: {exc}"[:2000]
 
 
@@ -192,6 +201,11 @@ def make_strategy(kind: str):
     return base
 
 
+def plan_reused(strategy) -> bool:
+    """Whether the (base) strategy will reuse its cached plans at its next save."""
+    return bool(getattr(strategy, "base_strategy", strategy).validated_cache_reuse)
+
+
 def _new_dir(root: str, name: str) -> str:
     path = os.path.join(root, name)
     if dist.get_rank() == 0:
@@ -201,7 +215,7 @@ def _new_dir(root: str, name: str) -> str:
 
 
 def run_scenario(rank: int, ws: int, root: str, change: str, strategy: str = "plain",
-                 changed_saves: int = 2, resume: bool = False) -> Outcome:
+                 changed_saves: int = 3, resume: bool = False) -> Outcome:
     """Warm the cache on the base layout, change it, save ``changed_saves`` times, load."""
     from megatron.core import dist_checkpointing as dc
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
@@ -209,9 +223,11 @@ def run_scenario(rank: int, ws: int, root: str, change: str, strategy: str = "pl
     base = base_layout(rank, ws)
     changed = CHANGES[change](rank, ws, base)
     strat = make_strategy(strategy)
+    out = Outcome()
     idx = 0
     for _ in range(WARM_SAVES):
         dc.save(base.state_dict(idx), _new_dir(root, f"s{idx}"), sharded_strategy=strat)
+        out.plan_reuse.append(plan_reused(strat))
         idx += 1
     if resume:
         # Megatron-LM's resume: load, then hand the load strategy's metadata to a new
@@ -221,11 +237,12 @@ def run_scenario(rank: int, ws: int, root: str, change: str, strategy: str = "pl
         strat = make_strategy(strategy)
         strat.cached_global_metadata = load_strat.cached_global_metadata
         dc.save(base.state_dict(idx), _new_dir(root, f"s{idx}"), sharded_strategy=strat)
+        out.plan_reuse.append(plan_reused(strat))
         idx += 1
-    out = Outcome()
     try:
         for _ in range(changed_saves):
             dc.save(changed.state_dict(idx), _new_dir(root, f"s{idx}"), sharded_strategy=strat)
+            out.plan_reuse.append(plan_reused(strat))
             idx += 1
     except BaseException as exc:  # CheckpointException derives from BaseException
         out.save_error = _err(exc)
