@@ -288,3 +288,45 @@ def scenarios_worker(rank: int, ws: int, features: list[str] | None,
             results[name] = run_scenario(rank, ws, os.path.join(root[0], name), change,
                                          strategy, resume=resume)
     return results
+
+
+class InjectedSaveFailure(RuntimeError):
+    """Stands for a failure that only one rank sees, after the save's last collective."""
+
+
+def failed_save_worker(rank: int, ws: int, features: list[str] | None) -> dict:
+    """Warm the cache, let the 4th save fail on the last rank only (after it completed,
+    so the other ranks succeed), then save twice more and load the last checkpoint."""
+    import megatron_ckpt_fixes
+    from megatron.core import dist_checkpointing as dc
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    calls = {"n": 0}
+    real_save = TorchDistSaveShardedStrategy.save
+
+    def save_then_fail_once(self, *args, **kwargs):
+        result = real_save(self, *args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] == WARM_SAVES + 1 and _last(rank, ws):
+            raise InjectedSaveFailure(f"rank {rank}: storage went away after the write")
+        return result
+
+    TorchDistSaveShardedStrategy.save = save_then_fail_once  # underneath install()'s patch
+    megatron_ckpt_fixes.install(features)
+    layout = base_layout(rank, ws)
+    strat = make_strategy("plain")
+    out = Outcome()
+    with tempfile.TemporaryDirectory() as tmp:
+        root = [tmp]
+        dist.broadcast_object_list(root, src=0)
+        for idx in range(WARM_SAVES + 3):
+            try:
+                dc.save(layout.state_dict(idx), _new_dir(root[0], f"s{idx}"),
+                        sharded_strategy=strat)
+            except InjectedSaveFailure as exc:
+                out.save_error = _err(exc)
+                dist.barrier()  # the one dist_checkpointing.save runs after the strategy's
+            out.plan_reuse.append(plan_reused(strat))
+        ckpt = os.path.join(root[0], f"s{idx}")
+        out.wrong_values = _compare(layout, dc.load(layout.state_dict(None), ckpt), idx)
+    return {"outcome": out, "failed": out.save_error is not None}

@@ -172,3 +172,18 @@ def test_upstream_still_fails_at_save(run):
             assert error == expected[rank], errors
         else:
             assert error is None or any(p in error for p in PEER_LEFT_BEHIND), errors
+
+
+def test_a_save_that_failed_on_one_rank_makes_every_rank_replan():
+    """After a save failed on one rank only, nothing that rank cached can be trusted; the
+    next save replans on every rank together (agreed), never on that rank alone (the other
+    ranks would take the fast path, which has no planning collective: a hang)."""
+    from structure_scenarios import failed_save_worker
+
+    results = run_ranks(failed_save_worker, WS, None, timeout_s=180, collective_timeout_s=30)
+    outcomes = [r.value["outcome"] for r in results]
+    assert [r.value["failed"] for r in results] == [False, True]
+    for rank, outcome in enumerate(outcomes):
+        # warm-up; the failed save; the agreed replan; the cache validated again
+        assert outcome.plan_reuse == [False, True, True, True, False, True], (rank, outcome)
+        assert outcome.wrong_values == [], (rank, outcome)
