@@ -35,6 +35,7 @@ FEATURES: tuple[str, ...] = (
     "rerun.sentinel",
     "rerun.stats_report",
     "load_errors",
+    "async_worker",
     "compat.rerun_device",
 )
 

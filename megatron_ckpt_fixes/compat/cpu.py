@@ -11,6 +11,8 @@ keeps the real ``torch`` object.
 
 from __future__ import annotations
 
+from typing import Any, Callable
+
 from .._patching import Patch
 from .device import BackendAwareTorch, cuda_collectives_reason
 
@@ -39,7 +41,55 @@ def backend_aware_torch_patch(module: str, name: str,
     )
 
 
+_PERSISTENT_CALLER = f"{_STRATEGIES}.async_utils:PersistentAsyncCaller"
+
+
+#: Upstream's worker loop, kept when the patch is applied (a forked worker inherits it).
+_upstream_loop: Callable[..., None] | None = None
+
+
+def run_persistent_worker(*args: Any, **kwargs: Any) -> None:
+    """megatron-core's persistent async checkpoint worker, made to run on CPU.
+
+    The worker is a spawned process: it imports megatron-core afresh, without the patches of
+    the trainer, and its first call is ``torch.cuda.set_device(rank % device_count())``
+    (ZeroDivisionError without CUDA: the worker dies and the trainer waits for it forever).
+    This function is the process target instead: it applies ``compat.cpu`` in the worker
+    and runs upstream's unchanged loop.
+
+    Not wrapped with functools.wraps on purpose: a spawned target is pickled by name, and
+    the name must be this function's, not upstream's (which the fresh process would find
+    unpatched).
+    """
+    loop = _upstream_loop
+    if loop is None:  # spawned: megatron-core is fresh and unpatched in this process
+        import megatron_ckpt_fixes
+        from megatron.core.dist_checkpointing.strategies.async_utils import (
+            PersistentAsyncCaller)
+
+        loop = PersistentAsyncCaller.async_loop
+        megatron_ckpt_fixes.install(["compat.cpu"])
+    loop(*args, **kwargs)
+
+
+def _worker_target(upstream_loop: Callable[..., None]) -> staticmethod:
+    global _upstream_loop
+    _upstream_loop = upstream_loop
+    return staticmethod(run_persistent_worker)
+
+
 PATCHES: tuple[Patch, ...] = tuple(
     backend_aware_torch_patch(mod, f"compat.cpu.{mod.rsplit('.', 1)[1]}")
     for mod in CUDA_HARDCODED_MODULES
+) + (
+    Patch(
+        name="compat.cpu.persistent_worker",
+        target=_PERSISTENT_CALLER,
+        attr="async_loop",
+        build=_worker_target,
+        not_needed=cuda_collectives_reason,
+        why="the persistent async checkpoint worker pins a CUDA device at start-up "
+            "(ZeroDivisionError without CUDA, and the trainer waits forever); it runs with "
+            "the CPU support applied instead",
+    ),
 )

@@ -1,0 +1,112 @@
+"""Rank functions for megatron-core's persistent async checkpoint worker (spawned ranks)."""
+
+from __future__ import annotations
+
+import inspect
+import os
+import tempfile
+import threading
+import time
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+
+#: How long a trainer may still be waiting after its worker died before we call it a hang.
+GRACE_S = 10.0
+DEADLINE_S = 150.0
+
+
+def worker_dies(*_args: Any, **_kwargs: Any) -> None:
+    """An async_fn that kills the persistent worker in the middle of its save."""
+    os._exit(7)
+
+
+def _save_request(rank: int, ws: int, root: str, step: int):
+    from megatron.core import dist_checkpointing as dc
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    values = torch.arange(4.0) + 4 * rank + 100 * step
+    tensor = ShardedTensor.from_rank_offsets("w", values, (0, rank, ws))
+    path = os.path.join(root, f"step{step}")
+    if rank == 0:
+        os.makedirs(path)
+    dist.barrier()
+    # From megatron-core 0.17 async saves default to nvidia-resiliency-ext's strategy; these
+    # tests are about megatron-core's own persistent worker.
+    mcore_async = ({"async_strategy": "mcore"}
+                   if "async_strategy" in inspect.signature(dc.save).parameters else {})
+    return dc.save({"w": tensor}, path, async_sharded_save=True, **mcore_async), path
+
+
+def _in_thread(fn: Callable[[], Any], worker: Callable[[], Any]) -> dict:
+    """Run ``fn`` (schedule + blocking finalize) in a thread; report how it ended, and
+    whether it was still waiting ``GRACE_S`` after this rank's worker died."""
+    out: dict = {}
+
+    def run() -> None:
+        try:
+            out["value"] = fn()
+        except BaseException as exc:  # noqa: BLE001 - CheckpointException is a BaseException
+            out["error"] = (type(exc).__name__, str(exc),
+                            tuple(c.__name__ for c in type(exc).__mro__))
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + DEADLINE_S
+    while thread.is_alive() and time.monotonic() < deadline:
+        process = worker()
+        if process is not None and not process.is_alive():
+            thread.join(GRACE_S)
+            break
+        thread.join(0.5)
+    process = worker()
+    out["waiting"] = thread.is_alive()
+    out["worker_exit"] = None if process is None or process.is_alive() else process.exitcode
+    return out
+
+
+def persistent_save_worker(rank: int, ws: int, subset: str, kill_rank: int | None) -> dict:
+    """Save once with a persistent worker (and, with ``kill_rank``, save again while that
+    rank's worker dies); ``subset`` = "upstream-cpu" (compat.cpu without the worker fix, i.e.
+    plain upstream on gloo) or "all" (install())."""
+    import megatron_ckpt_fixes
+    from megatron.core import dist_checkpointing as dc
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    from megatron_ckpt_fixes._patching import PatchSet
+
+    if subset == "all":
+        megatron_ckpt_fixes.install()
+    else:
+        PatchSet().install([p for p in megatron_ckpt_fixes.feature_patches("compat.cpu")
+                            if p.name != "compat.cpu.persistent_worker"])
+    root = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(root, src=0)
+    queue = AsyncCallsQueue(persistent=True)
+
+    def worker():
+        # The caller is per queue in megatron-core 0.16, shared by the class from 0.17 on.
+        caller = getattr(queue, "persistent_caller", None) or AsyncCallsQueue._persistent_caller
+        return None if caller is None else caller.process
+
+    def save(step: int, die: bool):
+        def go():
+            request, path = _save_request(rank, ws, root[0], step)
+            if die:
+                request = request._replace(async_fn=worker_dies)
+            queue.schedule_async_request(request)
+            queue.maybe_finalize_async_calls(blocking=True)
+            template = ShardedTensor.from_rank_offsets("w", torch.zeros(4), (0, rank, ws))
+            loaded = dc.load({"w": template}, path)["w"]
+            return float((loaded - (torch.arange(4.0) + 4 * rank + 100 * step)).abs().max())
+        return go
+
+    results = {"first": _in_thread(save(0, False), worker)}
+    if kill_rank is not None and not results["first"]["waiting"]:
+        results["killed"] = _in_thread(save(1, rank == kill_rank), worker)
+    process = worker()
+    if process is not None and process.is_alive() and any(r["waiting"] for r in results.values()):
+        process.kill()  # a stuck trainer would leave its worker behind
+    return results

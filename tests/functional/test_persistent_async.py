@@ -1,0 +1,31 @@
+"""megatron-core's persistent async checkpoint worker (``AsyncCallsQueue(persistent=True)``)
+on CPU/gloo: it runs, and a worker that dies makes every rank raise instead of waiting."""
+
+from __future__ import annotations
+
+from persistent_async_jobs import persistent_save_worker
+
+from megatron_ckpt_fixes.testing import run_ranks
+
+
+def test_upstream_worker_dies_at_start_and_the_trainer_waits_forever():
+    """Upstream on gloo: the worker pins ``rank % torch.cuda.device_count()`` (0 devices:
+    ZeroDivisionError, exit code 1) and the trainer keeps waiting for it to stage."""
+    results = run_ranks(persistent_save_worker, 2, "upstream-cpu", None, timeout_s=240)
+    for r in results:
+        first = r.value["first"]
+        assert first["worker_exit"] == 1 and first["waiting"], first
+
+
+def test_persistent_saves_run_and_a_dead_worker_raises_on_every_rank():
+    results = run_ranks(persistent_save_worker, 2, "all", 1, timeout_s=300)
+    for rank, r in enumerate(results):
+        first, killed = r.value["first"], r.value["killed"]
+        assert first == {"value": 0.0, "waiting": False, "worker_exit": None}, (rank, first)
+        assert not killed["waiting"], (rank, killed)  # raised within GRACE_S of the death
+        name, message, classes = killed["error"]
+        assert name == "AsyncWorkerError" and "CheckpointException" in classes, killed
+        assert "failed on 1 rank(s)" in message and "rank 1: the persistent checkpoint " \
+               "worker" in message and "exited with code 7" in message, message
+    assert results[0].value["killed"]["error"] == results[1].value["killed"]["error"]
+    assert results[1].value["killed"]["worker_exit"] == 7
