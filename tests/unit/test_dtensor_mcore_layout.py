@@ -167,7 +167,8 @@ def _chunk(rank, offset, local, global_shape=(5, 4), replica=0, prepend=0):
 
 def test_chunk_exact_accepts_uneven_and_empty_chunks_and_ignores_copies():
     assert chunk_exact_problems([_chunk(0, (0, 0), (3, 4)), _chunk(1, (3, 0), (2, 4)),
-                                 _chunk(2, (5, 0), (0, 4)), _chunk(3, (0, 0), (3, 4), replica=1)]) == []
+                                 _chunk(2, (5, 0), (0, 4)),
+                                 _chunk(3, (0, 0), (3, 4), replica=1)]) == []
 
 
 def test_chunk_exact_reports_gaps_and_overlaps_with_their_ranks():

@@ -31,7 +31,7 @@ class PrependedAxesShardedTensor(CheckpointableShardedTensor):
 
     def __init__(self, data: torch.Tensor, sh_ten: Any) -> None:
         super().__init__(data, sh_ten)
-        view = sh_ten.data.view((1,) * sh_ten.prepend_axis_num + tuple(sh_ten.local_shape))
+        view = sh_ten.data[(None,) * sh_ten.prepend_axis_num]  # a view, whatever the strides
         self._dcp_view = CheckpointableShardedTensor(
             view, replace(sh_ten, data=view, local_shape=tuple(view.shape), prepend_axis_num=0))
 

@@ -24,7 +24,7 @@ def restore_mesh_replicas(sharded_state_dict: dict[str, Any]) -> None:
     for item in sharded_state_dict.values():
         replica = getattr(item, MESH_REPLICA_ATTR, None)
         if replica is not None and isinstance(item.replica_id, tuple):
-            item.replica_id = (*item.replica_id[:-1], replica)
+            item.replica_id = (*item.replica_id[:2], replica)
 
 
 def mesh_replicas_kept(original: Callable[..., Any]) -> Callable[..., Any]:

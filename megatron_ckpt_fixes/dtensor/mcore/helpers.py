@@ -103,6 +103,8 @@ def dtensor_sharded_tensor(tensor: DTensor, key: str, tp_axis: int | None,
 def dtensor_aware(original: Callable[..., Any], tp_sharded: bool) -> Callable[..., Any]:
     """Wrap one upstream helper: DTensors are laid out here, everything else goes to it."""
     signature = inspect.signature(original)
+    var_keyword = next(name for name, p in signature.parameters.items()
+                       if p.kind is inspect.Parameter.VAR_KEYWORD)  # checked at install
 
     @functools.wraps(original)
     def helper(*args: Any, **kwargs: Any) -> Any:
@@ -111,13 +113,10 @@ def dtensor_aware(original: Callable[..., Any], tp_sharded: bool) -> Callable[..
             return original(*args, **kwargs)
         bound = signature.bind(*args, **kwargs)
         bound.apply_defaults()
-        arguments = dict(bound.arguments)
-        init_kwargs = {name: arguments.pop(name) for name, p in signature.parameters.items()
-                       if p.kind is inspect.Parameter.VAR_KEYWORD}
+        arguments = bound.arguments
         return dtensor_sharded_tensor(
             tensor, arguments["key"], arguments["tp_axis"] if tp_sharded else None,
-            arguments["replica_id"], arguments["prepend_offsets"],
-            {k: v for extra in init_kwargs.values() for k, v in extra.items()})
+            arguments["replica_id"], arguments["prepend_offsets"], arguments[var_keyword])
 
     return helper
 

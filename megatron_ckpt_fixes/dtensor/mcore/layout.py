@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from torch.distributed.tensor.placement_types import Placement, Replicate, _StridedShard
 
 from ..errors import PlacementError
-from ..placements import Coord, Shape, is_shard_like, local_shape_and_offset, normalize_placements
-from ..placements import with_dim
+from ..placements import (Coord, Shape, is_shard_like, local_shape_and_offset,
+                          normalize_placements, with_dim)
 
 #: megatron's ``(axis, chunk index, number of chunks)`` of one even chunking.
 RankOffset = tuple[int, int, int]
