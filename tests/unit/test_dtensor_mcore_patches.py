@@ -20,7 +20,8 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Partial
 
 from megatron_ckpt_fixes.dtensor.mcore import DTensorShardingError
-from megatron_ckpt_fixes.dtensor.mcore.importers import name_aliases, renamed_imports
+from megatron_ckpt_fixes.dtensor.mcore.importers import (bound_imports, name_aliases,
+                                                         renamed_imports)
 from megatron_ckpt_fixes.errors import MegatronCkptFixesError
 
 _MC = "megatron.core"
@@ -35,10 +36,12 @@ def test_every_module_that_imports_a_helper_by_name_is_an_alias():
     """0.16.1 has four modules that bind make_tp_sharded_tensor_for_checkpoint at import,
     0.19.2 six (multi-latent attention and the Mamba mixer); generalized_tensor_parallelism
     imports both helpers inside a function, which needs no alias."""
-    assert set(name_aliases(_MC, f"{_MC}.utils", "make_tp_sharded_tensor_for_checkpoint")) \
-        == TP_IMPORTERS
-    assert set(name_aliases(_MC, f"{_MC}.utils", "make_sharded_tensor_for_checkpoint")) == {
+    tp, replicated = "make_tp_sharded_tensor_for_checkpoint", "make_sharded_tensor_for_checkpoint"
+    imports = bound_imports(_MC, f"{_MC}.utils", (tp, replicated))
+    assert set(name_aliases(imports[tp], tp)) == TP_IMPORTERS
+    assert set(name_aliases(imports[replicated], replicated)) == {
         f"{_MC}.transformer.moe.shared_experts", f"{_MC}.transformer.utils"}
+    assert not renamed_imports(imports[tp], f"{_MC}.utils", tp)
 
 
 def test_import_scan_resolves_relative_imports_and_skips_function_level_ones(tmp_path,
@@ -56,9 +59,11 @@ def test_import_scan_resolves_relative_imports_and_skips_function_level_ones(tmp
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
         (tmp_path / name).write_text(textwrap.dedent(text))
     monkeypatch.syspath_prepend(str(tmp_path))
-    assert name_aliases("mcfpkg", "mcfpkg.utils", "f") == ("mcfpkg.a", "mcfpkg.sub")
-    assert renamed_imports("mcfpkg", "mcfpkg.utils", "f") == [
+    imports = bound_imports("mcfpkg", "mcfpkg.utils", ("f", "g"))
+    assert name_aliases(imports["f"], "f") == ("mcfpkg.a", "mcfpkg.sub")
+    assert renamed_imports(imports["f"], "mcfpkg.utils", "f") == [
         "mcfpkg.c imports mcfpkg.utils.f as 'h'; the patch would miss its callers"]
+    assert imports["g"] == ()
 
 
 def test_aliases_are_patched_and_restored(clean_install):

@@ -17,7 +17,7 @@ from ..._patching import Patch
 from .checkpointable import prepended_axes_kept, upstream_handles_prepended_axes
 from .experts import mesh_replicas_kept
 from .helpers import DTensorShardingError, dtensor_aware, signature_problems
-from .importers import name_aliases, renamed_imports
+from .importers import bound_imports, name_aliases, renamed_imports
 
 _UTILS = "megatron.core.utils"
 _CHECKPOINTABLE = "megatron.core.dist_checkpointing.strategies.checkpointable"
@@ -29,12 +29,17 @@ _READS = (
 )
 
 
+_HELPERS = ("make_tp_sharded_tensor_for_checkpoint", "make_sharded_tensor_for_checkpoint")
+#: Which megatron-core modules bind each helper at import time (read from the source).
+_IMPORTS = bound_imports("megatron.core", _UTILS, _HELPERS)
+
+
 def _helper_patch(attr: str, tp_sharded: bool) -> Patch:
     def signature() -> list[str]:
         return signature_problems(attr, tp_sharded)
 
     def imports() -> list[str]:
-        return renamed_imports("megatron.core", _UTILS, attr)
+        return renamed_imports(_IMPORTS[attr], _UTILS, attr)
 
     return Patch(
         name=f"dtensor.mcore.{attr}",
@@ -43,7 +48,7 @@ def _helper_patch(attr: str, tp_sharded: bool) -> Patch:
         build=functools.partial(dtensor_aware, tp_sharded=tp_sharded),
         reads=_READS,
         probes=(signature, imports),
-        aliases=name_aliases("megatron.core", _UTILS, attr),
+        aliases=name_aliases(_IMPORTS[attr], attr),
         why="a DTensor parameter's ShardedTensor comes from its own mesh and placements "
             "(exact global shape and offset for uneven, empty, expert-mesh and strided "
             "shards; no full_tensor() gather); other tensors go to upstream unchanged",
@@ -51,8 +56,8 @@ def _helper_patch(attr: str, tp_sharded: bool) -> Patch:
 
 
 PATCHES: tuple[Patch, ...] = (
-    _helper_patch("make_tp_sharded_tensor_for_checkpoint", tp_sharded=True),
-    _helper_patch("make_sharded_tensor_for_checkpoint", tp_sharded=False),
+    _helper_patch(_HELPERS[0], tp_sharded=True),
+    _helper_patch(_HELPERS[1], tp_sharded=False),
     Patch(
         name="dtensor.mcore.prepended_axes",
         target=f"{_CHECKPOINTABLE}:CheckpointableShardedTensor",

@@ -7,13 +7,12 @@ every caller in that module. Which modules do so changes between megatron-core r
 installed package's source (module-level ``from ... import`` statements, relative ones
 included), not written down for one release. Imports inside functions look the name up when
 they run and need no alias. Reading ~500 files with a substring filter, then parsing the
-few hits, takes well under a second, once per process.
+few hits, takes a few tenths of a second, once per process (at the feature's import).
 """
 
 from __future__ import annotations
 
 import ast
-import functools
 import importlib.util
 from collections.abc import Iterator
 from pathlib import Path
@@ -38,18 +37,19 @@ def _source_of(node: ast.ImportFrom, module: str, is_package: bool) -> str:
     return f"{base}.{node.module}" if node.module else base
 
 
-@functools.lru_cache(maxsize=None)
-def importers(package: str, source: str, name: str) -> tuple[tuple[str, str], ...]:
-    """``(module, bound name)`` for every module of ``package`` whose import-time code does
-    ``from <source> import <name>`` (``as`` another name included), sorted by module."""
+def bound_imports(package: str, source: str, names: tuple[str, ...]
+                  ) -> dict[str, tuple[tuple[str, str], ...]]:
+    """For each of ``names``: ``(module, bound name)`` of every module of ``package`` whose
+    import-time code does ``from <source> import <name>`` (``as`` another name included),
+    sorted by module. One pass over the package's files for all names."""
     spec = importlib.util.find_spec(package)
     if spec is None or not spec.submodule_search_locations:
         raise ImportError(f"{package!r} is not an installed package")
-    found: set[tuple[str, str]] = set()
+    found: dict[str, set[tuple[str, str]]] = {name: set() for name in names}
     for root in map(Path, spec.submodule_search_locations):
         for path in root.rglob("*.py"):
             text = path.read_text(encoding="utf-8", errors="replace")
-            if name not in text:
+            if not any(name in text for name in names):
                 continue
             parts = path.relative_to(root).with_suffix("").parts
             is_package = parts[-1] == "__init__"
@@ -57,19 +57,20 @@ def importers(package: str, source: str, name: str) -> tuple[tuple[str, str], ..
             for node in _module_level(ast.parse(text, str(path)).body):
                 if isinstance(node, ast.ImportFrom) and \
                         _source_of(node, module, is_package) == source:
-                    found.update((module, alias.asname or alias.name)
-                                 for alias in node.names if alias.name == name)
-    return tuple(sorted(found))
+                    for alias in node.names:
+                        if alias.name in found:
+                            found[alias.name].add((module, alias.asname or alias.name))
+    return {name: tuple(sorted(hits)) for name, hits in found.items()}
 
 
-def name_aliases(package: str, source: str, name: str) -> tuple[str, ...]:
-    """The modules that bind ``name`` under its own name: the aliases a patch of
-    ``<source>.<name>`` must patch too."""
-    return tuple(module for module, bound in importers(package, source, name) if bound == name)
+def name_aliases(imports: tuple[tuple[str, str], ...], name: str) -> tuple[str, ...]:
+    """The modules in ``imports`` (of ``name``, from :func:`bound_imports`) that bind it
+    under its own name: the aliases a patch of the attribute ``name`` must patch too."""
+    return tuple(module for module, bound in imports if bound == name)
 
 
-def renamed_imports(package: str, source: str, name: str) -> list[str]:
+def renamed_imports(imports: tuple[tuple[str, str], ...], source: str, name: str) -> list[str]:
     """Problems: modules that bind ``name`` under another name, which a patch of the
     attribute ``name`` cannot reach."""
     return [f"{module} imports {source}.{name} as {bound!r}; the patch would miss its callers"
-            for module, bound in importers(package, source, name) if bound != name]
+            for module, bound in imports if bound != name]
