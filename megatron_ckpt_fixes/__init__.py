@@ -37,6 +37,7 @@ FEATURES: tuple[str, ...] = (
     "load_errors",
     "async_worker",
     "compat.rerun_device",
+    "dtensor.mcore",
 )
 
 #: Features applied only when named: not checkpoint fixes. ``training.cpu_support`` replaces

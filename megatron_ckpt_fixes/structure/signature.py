@@ -35,7 +35,7 @@ def describe(item: Any) -> tuple[str, Entry]:
             tuple(item.local_shape),
             tuple(item.global_shape),
             tuple(item.global_offset),
-            tuple(item.axis_fragmentations),
+            None if item.axis_fragmentations is None else tuple(item.axis_fragmentations),
             _range(item.flattened_range),
             item.replica_id,
             item.prepend_axis_num,
