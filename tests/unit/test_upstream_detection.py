@@ -1,0 +1,68 @@
+"""install() decides from upstream's behaviour, on every supported megatron-core minor.
+
+Each release (0.16.1, 0.17.1, 0.18.2, 0.19.2) is installed beside the test environment
+(``pip install --no-deps --target``, from the package registry) and a subprocess asks it,
+through the package's own detection, which fixes it already has and what it lacks; then it
+runs a real ``install()``. The 0.17.x wheels still return None from
+``RerunStateMachine.state_dict`` in NOT_RUNNING_YET (the sentinel ships from 0.18.0): a
+version gate of ">= 0.17" would have skipped the fix there.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+RELEASES = ("0.16.1", "0.17.1", "0.18.2", "0.19.2")
+SENTINEL = {"rerun.sentinel.state_dict"}
+STATS_REPORT = {"rerun.stats_report.filename", "rerun.stats_report.lineno"}
+#: Patches each release does not need (detected); every other patch must apply there.
+UPSTREAM_HAS = {
+    "0.16.1": set(),
+    "0.17.1": set(),
+    "0.18.2": SENTINEL,
+    "0.19.2": SENTINEL | STATS_REPORT,
+}
+PROBE = Path(__file__).with_name("upstream_probe.py")
+
+
+@pytest.fixture(scope="session")
+def releases(tmp_path_factory) -> Path:
+    """A directory per release with only megatron-core in it (its dependencies are ours)."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.fail("megatron-core >= 0.18 imports triton: install the test extra "
+                    "(pip install -e '.[test]')")
+    root = tmp_path_factory.mktemp("megatron-core")
+    for release in RELEASES:
+        subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                        "--ignore-requires-python", "--target", str(root / release),
+                        f"megatron-core=={release}"], check=True, timeout=600)
+    return root
+
+
+def _probe(target: Path) -> dict:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(target), *filter(None, [os.environ.get("PYTHONPATH")])])}
+    done = subprocess.run([sys.executable, str(PROBE)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-4000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("release", RELEASES)
+def test_install_detects_what_each_release_already_does(releases, release):
+    found = _probe(releases / release)
+    assert found["megatron-core"] == release
+    patches = found["patches"]
+    assert {name for name, p in patches.items() if p["missing"]} == set(), patches
+    not_needed = {name for name, p in patches.items() if p["not_needed"]}
+    assert not_needed == UPSTREAM_HAS[release], {n: patches[n] for n in not_needed}
+    assert set(found["installed"]) == {
+        name for name in patches if name not in not_needed
+        and not name.startswith("training.cpu_support")}
