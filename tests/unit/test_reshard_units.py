@@ -10,7 +10,7 @@ from megatron_ckpt_fixes.reshard import (
 )
 from megatron_ckpt_fixes.reshard.exchange import pack_blocks, unpack_blocks, word_for
 from megatron_ckpt_fixes.reshard.resharder import _keep_mask
-from megatron_ckpt_fixes.reshard.upstream import slot_routed_tables
+from reshard_upstream import slot_routed_tables
 
 
 def table(start: int, ids: list[int], slots: list[int], size: int) -> TableShard:
