@@ -159,17 +159,23 @@ def load_table(checkpoint_id: str, table: LocalTable, *, ownership: KeyOwnership
                     lambda: saved_ranges(dcp.FileSystemReader(checkpoint_id).read_metadata(), table), group)
     target = _agreed(name, "the current layout", lambda: _current_ranges(table, group), group)
     spec = ReshardSpec(name, saved, target, saved.bounds if saved == target else even_bounds(saved.total, world),
-                       ownership, score if score in table.metadata else None)
+                       ownership, score)
     lo, hi = spec.windows[rank], spec.windows[rank + 1]
     buffers = {c.key: _scratch(c, hi - lo) for c in table.buffers()}
-    positional = saved == target
-    rows = {} if positional else {c.key: _scratch(c, hi - lo) for c in table.rows}
-    _read(checkpoint_id, {**buffers, **rows}, lo, saved.total, group)
+    _read(checkpoint_id, buffers, lo, saved.total, group)
+
+    def reader(col: Column) -> Any:  # one wide column in memory at a time (see SavedWindow)
+        def read() -> torch.Tensor:
+            rows = _scratch(col, hi - lo)
+            _read(checkpoint_id, {col.key: rows}, lo, saved.total, group)
+            return rows
+        return read
+
     window = SavedWindow(lo, buffers[table.ids.key], buffers[table.slots.key],
                          {m: buffers[c.key] for m, c in table.metadata.items()},
-                         {c.key: rows[c.key] for c in table.rows} if rows else {})
-    if positional:
-        problems = window_problems(window, spec, rank, world, group)
+                         {c.key: reader(c) for c in table.rows})
+    if saved == target:
+        problems = window_problems(window, spec, rank, world, group=group)
         owners = spec.ownership.owner(window.ids[window.ids != MISS_ID], world) if not problems else None
         elsewhere = owners is not None and bool((owners != rank).any())
         moved = agreement.agree(elsewhere, None, f"loading table {name!r} by position", group)
@@ -182,10 +188,7 @@ def load_table(checkpoint_id: str, table: LocalTable, *, ownership: KeyOwnership
             _log(name, saved, world, "by position", report)
             return report
         # Same layout, but some id sits on a rank that does not serve it: move by value.
-        rows = {c.key: _scratch(c, hi - lo) for c in table.rows}
-        _read(checkpoint_id, rows, lo, saved.total, group)
-        window = SavedWindow(lo, window.ids, window.slots, window.metadata, rows)
-    del buffers, rows
+    del buffers
     with torch.no_grad():
         result = reshard(window, spec, out_rows={c.key: c.local for c in table.rows}, group=group)
     del window

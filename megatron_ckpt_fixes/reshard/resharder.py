@@ -23,9 +23,9 @@ untouched and raises the same :class:`~.errors.ReshardError` on every rank.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Union
 
 import torch
 import torch.distributed as dist
@@ -39,17 +39,23 @@ from .table import MISS_ID, SlotRanges, TableShard
 logger = logging.getLogger(__name__)
 
 
+#: A row column of a window: the tensor, or a collective call that reads it when it is needed
+#: (so only one wide column is in memory at a time).
+RowSource = Union[torch.Tensor, Callable[[], torch.Tensor]]
+
+
 @dataclass(frozen=True)
 class SavedWindow:
     """Saved positions ``[start, start + n)`` of a table and the rows of saved slots
     ``[start, start + n)`` (same range: in the MCH layout a rank's positions and slots coincide).
-    The resharder drops each row column from ``rows`` once it is sent, to free its memory."""
+    The resharder drops each row column from ``rows`` once it is sent, to free its memory;
+    a column given as a callable is read only then (every rank calls them in name order)."""
 
     start: int
     ids: torch.Tensor
     slots: torch.Tensor
     metadata: Mapping[str, torch.Tensor] = field(default_factory=dict)
-    rows: MutableMapping[str, torch.Tensor] = field(default_factory=dict)
+    rows: MutableMapping[str, RowSource] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)
@@ -169,8 +175,9 @@ def _window_problems(win: SavedWindow, spec: ReshardSpec, rank: int, world: int)
         return [problem(key, rank, f"ids and slots must be int64, got {win.ids.dtype}, {win.slots.dtype}")]
     if win.start != lo or n != hi - lo:
         return [problem(key, rank, f"window holds [{win.start}, {win.start + n}), plan says [{lo}, {hi})")]
+    loaded = [(name, col) for name, col in win.rows.items() if isinstance(col, torch.Tensor)]
     out = [problem(key, rank, f"column {name!r} has {col.shape[0]} rows, window has {n}")
-           for name, col in [("slots", win.slots), *win.metadata.items(), *win.rows.items()]
+           for name, col in [("slots", win.slots), *win.metadata.items(), *loaded]
            if col.shape[0] != n]
     if out or n == 0:
         return out
@@ -200,8 +207,9 @@ def window_problems(win: SavedWindow, spec: ReshardSpec, rank: int, world: int,
         out = _spec_problems(spec, rank, world) or _window_problems(win, spec, rank, world)
         size = spec.target.size(rank) if spec.target.world_size == world else 0
         for name, base in (out_rows or {}).items():
-            if name in win.rows and (base.shape[0] != size or base.shape[1:] != win.rows[name].shape[1:]
-                                     or base.dtype != win.rows[name].dtype):
+            like = win.rows.get(name)
+            if isinstance(like, torch.Tensor) and (base.shape[0] != size or base.shape[1:] != like.shape[1:]
+                                                   or base.dtype != like.dtype):
                 out.append(problem(spec.key, rank, f"output rows {name!r} are {tuple(base.shape)} "
                                                    f"{base.dtype}, need {size} rows like the saved ones"))
     except Exception as exc:  # noqa: BLE001 - reported on every rank by check_problems()
@@ -238,14 +246,18 @@ def _to_holders(win: SavedWindow, spec: ReshardSpec, meta_names: list[str], rank
     slots = win.slots.index_select(0, real)
     holder = torch.searchsorted(torch.tensor(spec.windows[1:-1]), slots, right=True)
     got = send_rows([win.slots, win.ids, *(win.metadata[m] for m in meta_names)], holder, real, group)
+    del real, slots, holder
     old, ids, *meta = got.columns
+    del got
     local = old - win.start
+    del old
     n = int(win.ids.numel())
     uses = torch.bincount(local, minlength=n)
     twice = uses > 1
     check_problems(spec.key, [problem(spec.key, rank, f"saved slot {win.start + int(twice.nonzero()[0])} "
                                                       f"is mapped from {int(uses.max())} ids")]
                    if bool(twice.any()) else [], group)
+    del uses, twice
     entry_of_row = torch.full((n,), -1, dtype=torch.int64)
     entry_of_row[local] = torch.arange(int(local.numel()))
     rows_held = (entry_of_row >= 0).nonzero().squeeze(1)
@@ -316,16 +328,23 @@ def reshard(win: SavedWindow, spec: ReshardSpec, *, out_rows: Mapping[str, torch
     else:
         slot_of_arrival[miss_at] = size - 1
 
+    # The new table, before the rows move, so only what phase B2 needs stays in memory.
+    table = _build_table(start, size, ids[keep], slot_of_arrival.index_select(0, order[keep]),
+                         [m.index_select(0, order[keep]) for m in a_meta], meta_names)
+    kept, evicted_ids = int(keep.sum()), ids[~keep]
+    del a_ids, a_meta, is_miss, real, order, ids, scores, keep
+
     # Phase B2: the rows, one column at a time, into the output rows (checks are all done).
     rows: dict[str, torch.Tensor] = {}
     for name in row_names:
-        col = win.rows.pop(name)
+        source = win.rows.pop(name)
+        col = source if isinstance(source, torch.Tensor) else source()
         out = out_rows[name] if out_rows is not None and name in out_rows else \
             col.new_zeros((size, *col.shape[1:]))
-        direct = not evicting and arrived <= size
+        direct = not evicting
         landing = out[:arrived] if direct else col.new_empty((arrived, *col.shape[1:]))
         send_column(col, row_index, send_counts, recv_counts, landing, group)
-        del col
+        del col, source
         if direct and miss_at != size - 1:  # the miss row to the miss slot (see above)
             miss_row = out[miss_at].clone()
             if arrived == size:
@@ -334,19 +353,17 @@ def reshard(win: SavedWindow, spec: ReshardSpec, *, out_rows: Mapping[str, torch
         elif not direct:
             placed = slot_of_arrival >= 0
             out[slot_of_arrival[placed]] = landing[placed]
+        del landing
         rows[name] = out
 
-    table = _build_table(start, size, ids[keep], slot_of_arrival.index_select(0, order[keep]),
-                         [m.index_select(0, order[keep]) for m in a_meta], meta_names)
-    kept = int(keep.sum())
-    totals = torch.tensor([int((~keep).sum()), kept], dtype=torch.int64)
+    evicted = int(evicted_ids.numel())
+    totals = torch.tensor([evicted, kept], dtype=torch.int64)
     dist.all_reduce(totals, group=group)
-    report = ReshardReport(key, rank, int(ids.numel()), kept, int((~keep).sum()),
-                           int(totals[0]), int(totals[1]))
+    report = ReshardReport(key, rank, kept + evicted, kept, evicted, int(totals[0]), int(totals[1]))
     if report.evicted:
         logger.warning("reshard %s: rank %d evicted %d of %d ids (capacity %d)", key, rank,
                        report.evicted, report.received, size - 1)
-    return ReshardResult(table, rows, ids[~keep], report)
+    return ReshardResult(table, rows, evicted_ids, report)
 
 
 def _build_table(start: int, size: int, kept_ids: torch.Tensor, kept_slots: torch.Tensor,

@@ -159,7 +159,7 @@ def load(state_dict: dict[str, Any], checkpoint_id: str, model: torch.nn.Module,
     ``state_dict`` is what the caller would pass to ``dcp.load`` (e.g. ``{"model":
     model.state_dict(), "optim": model.fused_optimizer.state_dict()}``); its tensors are
     loaded in place. ``score``: the metadata column that decides eviction (lowest first) when
-    a rank receives more ids than it has slots. Returns a report per table. Raises
+    a rank receives more ids than it has slots (tables without it evict the highest ids). Returns a report per table. Raises
     :class:`~.errors.ReshardError` on every rank when a table cannot be loaded (it is then
     left untouched); TorchRec's ``validate_state`` runs on every table at the end.
     """
@@ -176,8 +176,8 @@ def load(state_dict: dict[str, Any], checkpoint_id: str, model: torch.nn.Module,
     with torch.no_grad():
         for table, local in found:
             routing = TorchRecRouting(table.module.input_size(), table.module.buckets())
-            reports[local.name] = load_table(checkpoint_id, local, ownership=routing, score=score,
-                                             group=group)
+            by = score if score in local.metadata else None  # e.g. LRU tables keep no counts
+            reports[local.name] = load_table(checkpoint_id, local, ownership=routing, score=by, group=group)
     skip = {c.key for _, lt in found for c in (*lt.buffers(), *lt.rows)}
     skip |= {keys[_memory_key(t.segments)] for t, _ in found if _memory_key(t.segments) in keys}
     dcp.load(state_dict, checkpoint_id=checkpoint_id, planner=_WithoutKeys(skip), process_group=group)
