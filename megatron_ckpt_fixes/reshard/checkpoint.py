@@ -35,7 +35,7 @@ from .. import agreement
 from .errors import ReshardError, check_problems, problem, require_same
 from .ownership import BlockOwnership, KeyOwnership
 from .resharder import ReshardReport, ReshardSpec, SavedWindow, reshard, window_problems
-from .table import MISS_ID, SlotRanges, even_bounds
+from .table import MISS_ID, SlotRanges, TableShard, even_bounds
 
 logger = logging.getLogger(__name__)
 
@@ -190,12 +190,10 @@ def load_table(checkpoint_id: str, table: LocalTable, *, ownership: KeyOwnership
         # Same layout, but some id sits on a rank that does not serve it: move by value.
     del buffers
     with torch.no_grad():
-        result = reshard(window, spec, out_rows={c.key: c.local for c in table.rows}, group=group)
-    del window
-    table.ids.local.copy_(result.table.ids)
-    table.slots.local.copy_(result.table.slots)
-    for m, col in table.metadata.items():
-        col.local.copy_(result.table.metadata[m])
+        result = reshard(window, spec, out_rows={c.key: c.local for c in table.rows},
+                         out_table=TableShard(table.start, table.ids.local, table.slots.local,
+                                              {m: c.local for m, c in table.metadata.items()}),
+                         group=group)
     _log(name, saved, world, "by value", result.report)
     return result.report
 

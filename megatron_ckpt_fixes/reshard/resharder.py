@@ -266,13 +266,14 @@ def _to_holders(win: SavedWindow, spec: ReshardSpec, meta_names: list[str], rank
 
 
 def reshard(win: SavedWindow, spec: ReshardSpec, *, out_rows: Mapping[str, torch.Tensor] | None = None,
-            group: Any = None) -> ReshardResult:
+            out_table: TableShard | None = None, group: Any = None) -> ReshardResult:
     """Move this rank's saved window to the value owners; return this rank's new table and rows.
 
     Collective over ``group``. ``out_rows`` (this rank's new ``[size, ...]`` row tensors, e.g.
-    the live local embedding) are written in place, only after every check passed on every
-    rank; slots no id takes keep their values. Without them, new zero tensors are returned.
-    Raises :class:`ReshardError` on every rank if any rank finds a problem.
+    the live local embedding) and ``out_table`` (its id, slot and metadata buffers) are written
+    in place, only after every check passed on every rank; slots no id takes keep their rows.
+    Without them, new tensors are returned. Raises :class:`ReshardError` on every rank if any
+    rank finds a problem.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     key = spec.key
@@ -330,7 +331,7 @@ def reshard(win: SavedWindow, spec: ReshardSpec, *, out_rows: Mapping[str, torch
 
     # The new table, before the rows move, so only what phase B2 needs stays in memory.
     table = _build_table(start, size, ids[keep], slot_of_arrival.index_select(0, order[keep]),
-                         [m.index_select(0, order[keep]) for m in a_meta], meta_names)
+                         [m.index_select(0, order[keep]) for m in a_meta], meta_names, out_table)
     kept, evicted_ids = int(keep.sum()), ids[~keep]
     del a_ids, a_meta, is_miss, real, order, ids, scores, keep
 
@@ -367,18 +368,23 @@ def reshard(win: SavedWindow, spec: ReshardSpec, *, out_rows: Mapping[str, torch
 
 
 def _build_table(start: int, size: int, kept_ids: torch.Tensor, kept_slots: torch.Tensor,
-                 kept_meta: list[torch.Tensor], meta_names: list[str]) -> TableShard:
+                 kept_meta: list[torch.Tensor], meta_names: list[str], out: TableShard | None) -> TableShard:
     """The MCH layout: kept ids (sorted) at their local slots, then the free slots in
-    increasing order, which ends with the miss slot ``start + size - 1`` at the last position."""
+    increasing order, which ends with the miss slot ``start + size - 1`` at the last position.
+    Written into ``out``'s tensors when given."""
     k = int(kept_ids.numel())
-    ids = torch.full((size,), MISS_ID, dtype=torch.int64)
+    ids = out.ids if out is not None else torch.empty(size, dtype=torch.int64)
     ids[:k] = kept_ids
+    ids[k:] = MISS_ID
     used = torch.zeros(size, dtype=torch.bool)
     used[kept_slots] = True
-    slots = torch.cat([kept_slots, (~used).nonzero().squeeze(1)]) + start
+    slots = out.slots if out is not None else torch.empty(size, dtype=torch.int64)
+    slots[:k] = kept_slots + start
+    slots[k:] = (~used).nonzero().squeeze(1) + start
     metadata = {}
     for name, col in zip(meta_names, kept_meta):
-        full = col.new_zeros((size,) + tuple(col.shape[1:]))
+        full = out.metadata[name] if out is not None else col.new_empty((size, *col.shape[1:]))
         full[:k] = col
+        full[k:] = 0
         metadata[name] = full
     return TableShard(start, ids, slots, metadata)
