@@ -175,7 +175,7 @@ def load_table(checkpoint_id: str, table: LocalTable, *, ownership: KeyOwnership
                          {m: buffers[c.key] for m, c in table.metadata.items()},
                          {c.key: reader(c) for c in table.rows})
     if saved == target:
-        problems = window_problems(window, spec, rank, world, group=group)
+        problems = window_problems(window, spec, rank, world, group=group, positional=True)
         owners = spec.ownership.owner(window.ids[window.ids != MISS_ID], world) if not problems else None
         elsewhere = owners is not None and bool((owners != rank).any())
         moved = agreement.agree(elsewhere, None, f"loading table {name!r} by position", group)

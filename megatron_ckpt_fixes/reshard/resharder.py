@@ -112,10 +112,12 @@ def _spec_problems(spec: ReshardSpec, rank: int, world_size: int) -> list[str]:
 
 
 def _segment_problems(key: str, rank: int, chunk: int, c_lo: int, c_hi: int, first: int,
-                      ids: torch.Tensor, slots: torch.Tensor) -> list[str]:
+                      ids: torch.Tensor, slots: torch.Tensor, kept_as_is: bool) -> list[str]:
     """Checks of saved positions ``first ...`` of saved rank ``chunk`` (serving
-    ``[c_lo, c_hi)``): slots in range and unique, the miss slot and the last position kept
-    free, ids sorted and unique."""
+    ``[c_lo, c_hi)``): slots in range, the miss slot and the last position kept free, ids
+    sorted and unique; with ``kept_as_is`` (a positional load keeps the free positions too)
+    also every slot used once. Moving by value rebuilds the free positions, and phase A
+    finds real ids sharing a slot across windows."""
     out = []
     real = ids != MISS_ID
     where = f"saved rank {chunk} (slots [{c_lo}, {c_hi}))"
@@ -124,7 +126,7 @@ def _segment_problems(key: str, rank: int, chunk: int, c_lo: int, c_hi: int, fir
         i = int(bad.nonzero()[0])
         out.append(problem(key, rank, f"{int(bad.sum())} out-of-range slots in {where}, e.g. id "
                                       f"{int(ids[i])} at position {first + i} maps to slot {int(slots[i])}"))
-    else:
+    elif kept_as_is:
         uses = torch.bincount(slots - c_lo)
         if bool((uses > 1).any()):
             out.append(problem(key, rank, f"saved slot {c_lo + int(uses.argmax())} of {where} is mapped "
@@ -166,7 +168,7 @@ def _edge_problems(win: SavedWindow, spec: ReshardSpec, rank: int, group: Any) -
                                     f"before id {nxt[0]})")]
 
 
-def _window_problems(win: SavedWindow, spec: ReshardSpec, rank: int, world: int) -> list[str]:
+def _window_problems(win: SavedWindow, spec: ReshardSpec, rank: int, world: int, positional: bool) -> list[str]:
     """Everything wrong with this rank's saved window that it can see alone."""
     key = spec.key
     n = int(win.ids.numel())
@@ -189,7 +191,7 @@ def _window_problems(win: SavedWindow, spec: ReshardSpec, rank: int, world: int)
         a, b = max(lo, c_lo), min(hi, c_hi)
         if a < b:
             out += _segment_problems(key, rank, chunk, c_lo, c_hi, a, win.ids[a - lo:b - lo],
-                                     win.slots[a - lo:b - lo])
+                                     win.slots[a - lo:b - lo], positional)
     real = win.ids != MISS_ID
     owners = spec.ownership.owner(win.ids[real], world)
     wrong = (owners < 0) | (owners >= world)
@@ -200,11 +202,13 @@ def _window_problems(win: SavedWindow, spec: ReshardSpec, rank: int, world: int)
 
 
 def window_problems(win: SavedWindow, spec: ReshardSpec, rank: int, world: int,
-                    out_rows: Mapping[str, torch.Tensor] | None = None, group: Any = None) -> list[str]:
-    """All checks of a saved window before anything moves; a crash in a check is a problem
-    too, not a hang. Collective (the cross-window sortedness check gathers window edges)."""
+                    out_rows: Mapping[str, torch.Tensor] | None = None, group: Any = None,
+                    positional: bool = False) -> list[str]:
+    """All checks of a saved window before anything moves (``positional``: for a load that
+    keeps the saved positions as they are); a crash in a check is a problem too, not a hang.
+    Collective (the cross-window sortedness check gathers window edges)."""
     try:
-        out = _spec_problems(spec, rank, world) or _window_problems(win, spec, rank, world)
+        out = _spec_problems(spec, rank, world) or _window_problems(win, spec, rank, world, positional)
         size = spec.target.size(rank) if spec.target.world_size == world else 0
         for name, base in (out_rows or {}).items():
             like = win.rows.get(name)
