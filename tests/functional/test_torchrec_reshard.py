@@ -22,8 +22,10 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 
 import torchrec_model as tm
+from megatron_ckpt_fixes.reshard import ReshardError
 from megatron_ckpt_fixes.reshard.torchrec_dmp import TorchRecRouting, load
 from megatron_ckpt_fixes.testing import run_ranks
 
@@ -31,13 +33,18 @@ STEPS = 5
 logger = logging.getLogger(__name__)
 
 
-def _save(rank: int, world: int, ckpt: str, seed: int) -> dict:
+def _save(rank: int, world: int, ckpt: str, seed: int, corrupt_to: str | None = None) -> dict:
     model = tm.build(world, seed)
     tm.train(model, rank, STEPS, seed)
     truth = tm.local_truth(model)
     ids = sorted(i for part in _gather(list(truth)) for i in part)
     rows, _ = tm.lookup(model, ids)
     dcp.save(tm.state_dict(model), checkpoint_id=ckpt)
+    if corrupt_to:  # then rank 1 also admits rank 0's smallest id (still sorted): a duplicate
+        first = _gather(min(truth))[0]
+        if rank == 1:
+            tm.mc_module(model)._mch_sorted_raw_ids[0] = first
+        dcp.save(tm.state_dict(model), checkpoint_id=corrupt_to)
     return {"truth": truth, "ids": ids, "rows": rows.tolist(), "dense": model.module.dense.weight.tolist(),
             "iter": int(tm.mc_module(model)._current_iter_tensor)}
 
@@ -107,10 +114,40 @@ def _upstream(rank: int, world: int, ckpt: str, saved: dict) -> dict:
     return {"error": error, "lost": sum(_gather(lost))}
 
 
+def _refused(rank: int, world: int, ckpt: str, copy: bool) -> dict:
+    """A load that must fail: a checkpoint with one id on two ranks, or a state dict that is
+    a copy (its tensors are not the model's). Same error on every rank, model untouched."""
+    model = tm.build(world, seed=7)
+    before = {k: _local(v).clone() for k, v in model.state_dict().items()}
+    state = tm.state_dict(model)
+    if copy:
+        state = {"model": {k: _copied(v) for k, v in state["model"].items()}, "optim": state["optim"]}
+    error, is_value_error = None, False
+    try:
+        load(state, ckpt, model)
+    except ReshardError as exc:
+        error, is_value_error = str(exc), isinstance(exc, ValueError)
+    after = {k: _local(v) for k, v in model.state_dict().items()}
+    return {"error": error, "is_value_error": is_value_error,
+            "untouched": all(torch.equal(before[k], after[k]) for k in before)}
+
+
+def _local(value: object) -> torch.Tensor:
+    return value.local_shards()[0].tensor if isinstance(value, ShardedTensor) else value
+
+
+def _copied(value: object) -> object:
+    if not isinstance(value, ShardedTensor):
+        return value.clone()
+    shards = [Shard(s.tensor.clone(), s.metadata) for s in value.local_shards()]
+    return ShardedTensor._init_from_local_shards_and_global_metadata(shards, value.metadata())
+
+
 def job(rank: int, world: int, steps: list[tuple]) -> list:
     out = []
     for kind, *args in steps:
-        out.append({"save": _save, "ours": _ours, "upstream": _upstream}[kind](rank, world, *args))
+        fn = {"save": _save, "ours": _ours, "upstream": _upstream, "refused": _refused}[kind]
+        out.append(fn(rank, world, *args))
     return out
 
 
@@ -127,7 +164,7 @@ CASES = ("2to3", "3to2", "2to4", "4to3", "1to3", "4to2")
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("torchrec")
-    ck = {n: str(root / n) for n in ("at1", "at2", "at4", "at3_from_2")}
+    ck = {n: str(root / n) for n in ("at1", "at2", "at4", "at3_from_2", "at2_duplicate")}
     saved: dict[str, dict] = {}
     out: dict[str, list] = {}
 
@@ -141,12 +178,14 @@ def runs(tmp_path_factory):
 
     spawn(1, [("save", ck["at1"], 1)], ["save:at1"])
     spawn(4, [("save", ck["at4"], 4)], ["save:at4"])
-    spawn(2, [("save", ck["at2"], 2), ("ours", ck["at4"], saved["at4"], None),
+    spawn(2, [("save", ck["at2"], 2, ck["at2_duplicate"]), ("ours", ck["at4"], saved["at4"], None),
               ("upstream", ck["at4"], saved["at4"])], ["save:at2", "4to2", "4to2:upstream"])
     spawn(3, [("ours", ck["at2"], saved["at2"], ck["at3_from_2"]), ("upstream", ck["at2"], saved["at2"]),
               ("ours", ck["at4"], saved["at4"], None), ("upstream", ck["at4"], saved["at4"]),
-              ("ours", ck["at1"], saved["at1"], None), ("upstream", ck["at1"], saved["at1"])],
-          ["2to3", "2to3:upstream", "4to3", "4to3:upstream", "1to3", "1to3:upstream"])
+              ("ours", ck["at1"], saved["at1"], None), ("upstream", ck["at1"], saved["at1"]),
+              ("refused", ck["at2_duplicate"], False), ("refused", ck["at2"], True)],
+          ["2to3", "2to3:upstream", "4to3", "4to3:upstream", "1to3", "1to3:upstream",
+           "duplicate_id", "state_dict_copy"])
     # 3 -> 2: the 2 -> 3 result, saved at 3, back at 2, against the original 2-rank state.
     spawn(2, [("ours", ck["at3_from_2"], saved["at2"], None), ("upstream", ck["at3_from_2"], saved["at2"])],
           ["3to2", "3to2:upstream"])
@@ -188,3 +227,13 @@ def test_upstream_twin_merge_whose_boundaries_nest_already_works(runs):
     gives the same lookups."""
     out, _ = runs
     assert all(r["error"] is None and r["lost"] == 0 for r in out["4to2:upstream"])
+
+
+@pytest.mark.parametrize("case,words", [("duplicate_id", "appears 2+ times"),
+                                        ("state_dict_copy", "not a copy")])
+def test_refused_load_same_error_on_every_rank_model_untouched(runs, case, words):
+    out, _ = runs
+    results = out[case]
+    assert len({r["error"] for r in results}) == 1 and words in results[0]["error"], results[0]["error"]
+    assert "t0" in results[0]["error"] and "rank" in results[0]["error"]
+    assert all(r["is_value_error"] and r["untouched"] for r in results)
