@@ -35,8 +35,7 @@ import torch.distributed.checkpoint as dcp
 from tqdm import tqdm
 
 from megatron_ckpt_fixes.reshard import (
-    MISS_ID, BlockOwnership, Column, LocalTable, SlotRanges, TableShard, load_table, sharded_rows,
-    table_state_dict,
+    MISS_ID, BlockOwnership, Column, LocalTable, SlotRanges, TableShard, load_table, table_state_dict,
 )
 from megatron_ckpt_fixes.testing import run_ranks
 

@@ -25,7 +25,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Mapping, MutableMapping
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -41,7 +41,7 @@ logger = logging.getLogger(__name__)
 
 #: A row column of a window: the tensor, or a collective call that reads it when it is needed
 #: (so only one wide column is in memory at a time).
-RowSource = Union[torch.Tensor, Callable[[], torch.Tensor]]
+RowSource = torch.Tensor | Callable[[], torch.Tensor]
 
 
 @dataclass(frozen=True)

@@ -159,9 +159,10 @@ def load(state_dict: dict[str, Any], checkpoint_id: str, model: torch.nn.Module,
     ``state_dict`` is what the caller would pass to ``dcp.load`` (e.g. ``{"model":
     model.state_dict(), "optim": model.fused_optimizer.state_dict()}``); its tensors are
     loaded in place. ``score``: the metadata column that decides eviction (lowest first) when
-    a rank receives more ids than it has slots (tables without it evict the highest ids). Returns a report per table. Raises
-    :class:`~.errors.ReshardError` on every rank when a table cannot be loaded (it is then
-    left untouched); TorchRec's ``validate_state`` runs on every table at the end.
+    a rank receives more ids than it has slots (tables without it evict the highest ids).
+    Returns a report per table. Raises :class:`~.errors.ReshardError` on every rank when a
+    table cannot be loaded (it is then left untouched); TorchRec's ``validate_state`` runs on
+    every table at the end.
     """
     group = process_group
     flat, _ = flatten_state_dict(state_dict)

@@ -304,7 +304,7 @@ def test_reshard_keeps_every_id_exact(runs, case):
 
 
 def test_full_destination_evicts_lowest_counts(runs):
-    saved, target, fill, _ = CASES["2to3_evicting"]
+    saved, _, fill, _ = CASES["2to3_evicting"]
     results = runs["2to3_evicting"]
     before = saved_global(saved, SEED, fill)
     owned0 = [i for i in before if int(OWN.owner(torch.tensor(i), 3)) == 0]
@@ -324,7 +324,7 @@ def test_full_destination_evicts_lowest_counts(runs):
 def test_upstream_slot_routing_loses_ids_value_routing_does_not(runs):
     """2 -> 3, even sizes: the slot-routed fix leaves an id on the rank of its slot, but the
     lookup goes to the rank of its value."""
-    saved, target, fill, _ = CASES["2to3_even"]
+    saved, _, fill, _ = CASES["2to3_even"]
     before = saved_global(saved, SEED, fill)
     upstream = slot_routed_tables([saved_shard(saved, r, SEED, fill)[0] for r in range(2)], 3)
     ids = torch.tensor(sorted(before))

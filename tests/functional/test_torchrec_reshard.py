@@ -58,7 +58,7 @@ def _gather(value: object) -> list:
 def _check(model: tm.DistributedModelParallel, rank: int, world: int, saved: dict) -> dict:
     """Everything the issue asks of a loaded model, measured on this rank."""
     truth, ids = saved["truth"], saved["ids"]
-    rows, slots = tm.lookup(model, ids)
+    rows, _ = tm.lookup(model, ids)
     wrong_rows = sum(a != b for a, b in zip(rows.tolist(), saved["rows"]))
     mine = tm.local_truth(model)
     routing = TorchRecRouting(tm.H, world)
