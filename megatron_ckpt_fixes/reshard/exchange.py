@@ -90,10 +90,6 @@ class Received:
     order: torch.Tensor
     send_counts: list[int]
 
-    @property
-    def sources(self) -> torch.Tensor:
-        return torch.repeat_interleave(torch.arange(len(self.counts)), torch.tensor(self.counts))
-
 
 def grouping(dest: torch.Tensor, world: int, index: torch.Tensor | None = None) -> torch.Tensor:
     """Rows ``index`` (default all) reordered so that destinations are grouped in rank order,
