@@ -1,7 +1,7 @@
 """Real TorchRec: a DMP-sharded managed-collision model saved with DCP at N ranks, loaded at M.
 
 Cases 2->3, 3->2 (a second round trip: the 2->3 result saved at 3 and loaded back at 2),
-2->4, 4->3, 1->3 and the merge 4->2. After ``megatron_ckpt_fixes.reshard.torchrec_dmp.load``
+2->4, 4->3, 1->3, the merge 4->2, and 2->2 (same layout: loaded by position). After ``megatron_ckpt_fixes.reshard.torchrec_dmp.load``
 (then the usual ``load_state_dict`` calls), on every rank: every id admitted before the save
 looks up (eval forward) bitwise the same embedding row; the rank that serves each id holds
 exactly those ids with the saved optimizer rows, counts and last-access iterations; unknown
@@ -158,7 +158,7 @@ def _merge(per_rank: list[dict]) -> dict:
             "iter": first["iter"]}
 
 
-CASES = ("2to3", "3to2", "2to4", "4to3", "1to3", "4to2")
+CASES = ("2to3", "3to2", "2to4", "4to3", "1to3", "4to2", "2to2")  # 2to2: the positional path
 
 
 @pytest.fixture(scope="module")
@@ -187,11 +187,13 @@ def runs(tmp_path_factory):
           ["2to3", "2to3:upstream", "4to3", "4to3:upstream", "1to3", "1to3:upstream",
            "duplicate_id", "state_dict_copy"])
     # 3 -> 2: the 2 -> 3 result, saved at 3, back at 2, against the original 2-rank state.
-    spawn(2, [("ours", ck["at3_from_2"], saved["at2"], None), ("upstream", ck["at3_from_2"], saved["at2"])],
-          ["3to2", "3to2:upstream"])
+    spawn(2, [("ours", ck["at3_from_2"], saved["at2"], None), ("upstream", ck["at3_from_2"], saved["at2"]),
+              ("ours", ck["at2"], saved["at2"], None)],
+          ["3to2", "3to2:upstream", "2to2"])
     spawn(4, [("ours", ck["at2"], saved["at2"], None), ("upstream", ck["at2"], saved["at2"])],
           ["2to4", "2to4:upstream"])
-    sources = {"2to3": "at2", "3to2": "at2", "2to4": "at2", "4to3": "at4", "1to3": "at1", "4to2": "at4"}
+    sources = {"2to3": "at2", "3to2": "at2", "2to4": "at2", "4to3": "at4", "1to3": "at1", "4to2": "at4",
+               "2to2": "at2"}
     return out, {case: saved[src] for case, src in sources.items()}
 
 
@@ -210,7 +212,7 @@ def test_every_id_keeps_its_rows_state_and_training_continues(runs, case):
         assert r["evicted"] == 0
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c != "4to2"])
+@pytest.mark.parametrize("case", [c for c in CASES if c not in ("4to2", "2to2")])
 def test_upstream_twin_fails_validate_state_and_loses_ids(runs, case):
     out, saved = runs
     results = out[f"{case}:upstream"]
