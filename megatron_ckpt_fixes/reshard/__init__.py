@@ -8,13 +8,14 @@ its id, gets a free slot there, and its embedding and optimizer rows move with i
 id that was reachable before is reachable after, with bitwise-identical rows.
 
 Reading order: :mod:`.table` (data model, validation) -> :mod:`.ownership` (who serves an id)
--> :mod:`.exchange` (batched all_to_all) -> :mod:`.errors` (agreed failures) ->
-:mod:`.resharder` (the algorithm) -> :mod:`.mch` (TorchRec MCH buffers through DCP).
-:mod:`.upstream` only models the upstream approach for the comparison test.
+-> :mod:`.exchange` (all_to_all of rows) -> :mod:`.errors` (agreed failures) ->
+:mod:`.resharder` (the algorithm) -> :mod:`.checkpoint` (one table through DCP) ->
+:mod:`.torchrec_dmp` (every managed-collision table of a TorchRec model; imports TorchRec,
+so it is not imported here).
 """
 
+from .checkpoint import Column, LocalTable, load_table, saved_ranges, sharded_rows, table_state_dict
 from .errors import ReshardError
-from .mch import ZchTable, load_mch, mch_state_dict, saved_ranges, sharded_rows
 from .ownership import BlockOwnership, KeyOwnership, ModuloOwnership
 from .resharder import ReshardReport, ReshardResult, ReshardSpec, SavedWindow, reshard
 from .table import MISS_ID, SlotRanges, TableShard
@@ -22,7 +23,9 @@ from .table import MISS_ID, SlotRanges, TableShard
 __all__ = [
     "MISS_ID",
     "BlockOwnership",
+    "Column",
     "KeyOwnership",
+    "LocalTable",
     "ModuloOwnership",
     "ReshardError",
     "ReshardReport",
@@ -31,10 +34,9 @@ __all__ = [
     "SavedWindow",
     "SlotRanges",
     "TableShard",
-    "ZchTable",
-    "load_mch",
-    "mch_state_dict",
+    "load_table",
     "reshard",
     "saved_ranges",
     "sharded_rows",
+    "table_state_dict",
 ]

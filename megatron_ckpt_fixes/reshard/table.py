@@ -86,11 +86,6 @@ class SlotRanges:
     def miss_slot(self, rank: int) -> int:
         return self.bounds[rank + 1] - 1
 
-    def rank_of(self, slots: torch.Tensor) -> torch.Tensor:
-        """The rank whose range holds each slot (slots must be inside ``[0, total)``)."""
-        inner = torch.tensor(self.bounds[1:-1], dtype=torch.int64, device=slots.device)
-        return torch.searchsorted(inner, slots, right=True)
-
 
 @dataclass(frozen=True)
 class TableShard:
@@ -114,9 +109,6 @@ class TableShard:
         pos = torch.searchsorted(self.ids[:-1], query)
         found = self.ids[pos] == query
         return torch.where(found, self.slots[pos], torch.full_like(query, self.miss_slot))
-
-    def real_ids(self) -> torch.Tensor:
-        return self.ids[self.ids != MISS_ID]
 
     def problems(self, key: str, rank: int) -> list[str]:
         """Every way this shard breaks the layout; empty when it is valid."""

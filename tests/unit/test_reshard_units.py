@@ -10,7 +10,7 @@ from megatron_ckpt_fixes.reshard import (
 )
 from megatron_ckpt_fixes.reshard.exchange import pack_blocks, unpack_blocks, word_for
 from megatron_ckpt_fixes.reshard.resharder import _keep_mask
-from megatron_ckpt_fixes.reshard.upstream import slot_routed_tables
+from reshard_upstream import slot_routed_tables
 
 
 def table(start: int, ids: list[int], slots: list[int], size: int) -> TableShard:
@@ -32,10 +32,9 @@ def test_slot_ranges_from_chunks_names_gaps_overlaps_and_empty_ranks():
         SlotRanges((1, 4))
 
 
-def test_slot_ranges_even_split_and_rank_of_uneven():
+def test_slot_ranges_even_split_and_uneven_sizes():
     assert SlotRanges.even(10, 3).bounds == (0, 4, 7, 10)
     r = SlotRanges((0, 2, 7, 9))
-    assert r.rank_of(torch.tensor([0, 1, 2, 6, 7, 8])).tolist() == [0, 0, 1, 1, 2, 2]
     assert (r.size(1), r.miss_slot(1), r.world_size, r.total) == (5, 6, 3, 9)
 
 
@@ -99,3 +98,12 @@ def test_upstream_model_keeps_slots_and_can_put_a_real_id_on_a_miss_slot():
     assert [t.start for t in new] == [0, 3]
     assert new[0].lookup(torch.tensor([7])).tolist() == [2] == [new[0].miss_slot]
     assert new[1].lookup(torch.tensor([900])).tolist() == [4]
+
+
+def test_words_are_ones_every_backend_exchanges_never_int16():
+    """Defect (a): a bf16 row of width 3 (6 bytes) or a 1-D fp16 state (2 bytes) used to
+    travel as int16, which gloo refuses ('Invalid scalar type') and NCCL lacks."""
+    assert word_for([torch.zeros(5, 3, dtype=torch.bfloat16)]) == torch.uint8
+    assert word_for([torch.zeros(5, dtype=torch.float16)]) == torch.uint8
+    assert word_for([torch.zeros(5, 3)]) == torch.int32
+    assert word_for([torch.zeros(5, 8), torch.zeros(5, dtype=torch.int64)]) == torch.int64

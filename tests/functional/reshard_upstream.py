@@ -1,4 +1,4 @@
-"""THE UPSTREAM APPROACH, reproduced for comparison only; not used by the resharder.
+"""Test-only: THE UPSTREAM APPROACH to resharding MCH state, reproduced for comparison.
 
 TorchEasyRec PR 467 (see UPSTREAM.md, section 4): load the MCH buffers by position at the new
 world size, send each entry to ``dest = slot // local_zch_size`` (the rank whose embedding rows
@@ -8,7 +8,7 @@ that owns its *value*; after a non-divisible world-size change that is often ano
 the id is no longer found. It also lets a real id keep the slot that is now a rank's miss slot.
 
 Single-process, over all saved shards at once: this is a model of what the ranks end up with,
-written only to count what it loses (tests/functional/test_reshard_mch.py).
+written only to count what it loses (test_reshard_mch.py).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 import torch
 
-from .table import MISS_ID, TableShard
+from megatron_ckpt_fixes.reshard import MISS_ID, TableShard
 
 
 def slot_routed_tables(saved: Sequence[TableShard], world_size: int) -> list[TableShard]:
