@@ -8,6 +8,11 @@ state from *before* the suspicious step, which the relaunched job reruns.
 
 Between steps: save every ``--save-interval`` iterations, save and exit 0 at
 ``--exit-interval``, save at the end. Exit code 0 is a normal end.
+
+A job that cannot go on (bad flags, an unreadable checkpoint, a failed save) ends with exit
+code 1 and one line per error: errors of this package are the same on every rank (agreed),
+so rank 0 prints them once for the job; any other error is printed by each rank that raised
+it. The traceback is printed only with ``--verbose`` (or logging at DEBUG).
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import datetime
 import json
 import logging
 import os
+import sys
+import traceback
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -24,14 +31,19 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.rerun_state_machine import RerunDataIterator, RerunStateMachine
+from torch.distributed.checkpoint import CheckpointException
 
 import megatron_ckpt_fixes
 
 from ..compat.device import backend_uses_cuda
-from . import rerun, rng, snapshot
-from .args import parse_args
+from ..errors import MegatronCkptFixesError
+from . import rerun, rng
+from .args import check_world, parse_args
 from .checkpointing import Checkpointer, CheckpointOptions, TrainState
 from .data import SyntheticTokens
+from .errors import ConfigError
+from .freeze import EmbeddingFreeze
+from .strategies import StrategyOptions
 from .model import (
     ModelShape,
     allreduce_data_parallel_grads,
@@ -58,6 +70,7 @@ class Job:
     checkpointer: Checkpointer
     state: TrainState
     data: RerunDataIterator
+    freeze: EmbeddingFreeze | None = None
 
 
 def init_distributed() -> None:
@@ -69,13 +82,29 @@ def init_distributed() -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
 
 
+def checkpoint_options(args: Any) -> CheckpointOptions:
+    return CheckpointOptions(
+        save=args.save, load=args.load, load_optim=not args.no_load_optim,
+        load_rng=not args.no_load_rng,
+        strategy=StrategyOptions(
+            ckpt_format=args.ckpt_format,
+            assume_constant_structure=args.ckpt_assume_constant_structure,
+            fully_parallel_save=args.ckpt_fully_parallel_save,
+            fully_parallel_load=args.ckpt_fully_parallel_load,
+            async_save=args.async_save, async_strategy=args.async_strategy))
+
+
 def setup(args: Any) -> Job:
+    check_world(args, dist.get_world_size())
     megatron_ckpt_fixes.install(UPSTREAM_FEATURES if args.upstream_only else None)
     if not backend_uses_cuda():
         if args.clip_grad > 0:
-            raise SystemExit("--clip-grad > 0 needs CUDA: megatron-core's "
-                             "clip_grad_by_total_norm_fp32 asserts CUDA tensors")
+            raise ConfigError("--clip-grad > 0 needs CUDA: megatron-core's "
+                              "clip_grad_by_total_norm_fp32 asserts CUDA tensors")
         megatron_ckpt_fixes.install(["training.cpu_support"])
+    if args.ckpt_fully_parallel_save_deprecated and dist.get_rank() == 0:
+        print("--ckpt-fully-parallel-save flag is deprecated and has no effect. Use "
+              "--no-ckpt-fully-parallel-save to disable parallel save.", flush=True)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size)
     rng.seed_all(args.seed)
@@ -83,13 +112,11 @@ def setup(args: Any) -> Job:
                        args.vocab_size, args.seq_length)
     model = build_model(shape, args.tensor_model_parallel_size)
     optimizer = build_optimizer(model, args.lr, args.clip_grad)
+    freeze = (None if args.freeze_embedding_until is None
+              else EmbeddingFreeze.of(model, args.freeze_embedding_until))
     machine = rerun.init_machine(args.rerun_mode, args.error_injection_rate,
                                  args.error_injection_type, args.result_rejected_tracker_filename)
-    checkpointer = Checkpointer(CheckpointOptions(
-        save=args.save, load=args.load, ckpt_format=args.ckpt_format,
-        assume_constant_structure=args.ckpt_assume_constant_structure,
-        async_save=args.async_save, load_optim=not args.no_load_optim,
-        load_rng=not args.no_load_rng))
+    checkpointer = Checkpointer(checkpoint_options(args), freeze)
     state = (checkpointer.load(model, optimizer, machine) if args.load else None) or TrainState()
     data = RerunDataIterator(SyntheticTokens(
         seed=args.seed, vocab_size=args.vocab_size, seq_length=args.seq_length,
@@ -97,12 +124,14 @@ def setup(args: Any) -> Job:
         dp_rank=parallel_state.get_data_parallel_rank(),
         dp_size=parallel_state.get_data_parallel_world_size(),
         position=state.consumed_batches))
-    return Job(args, model, optimizer, machine, checkpointer, state, data)
+    return Job(args, model, optimizer, machine, checkpointer, state, data, freeze)
 
 
 def train_step(job: Job) -> tuple[float | None, int | None]:
     """One step. Returns (reported loss, exit code or None to go on)."""
     args, machine = job.args, job.machine
+    if job.freeze is not None:
+        job.freeze.before_step(job.state.iteration + 1, job.optimizer)
     loss = None
     while machine.should_run_forward_backward(job.data):
         job.optimizer.zero_grad()
@@ -173,10 +202,25 @@ def train(job: Job) -> int:
     return 0
 
 
-def _dump(job: Job) -> None:
-    full = snapshot.full_state(job.model, job.optimizer)
-    if dist.get_rank() == 0:
-        torch.save({"iteration": job.state.iteration, "tensors": full}, job.args.dump_state)
+def report_error(exc: BaseException, verbose: bool) -> None:
+    """One line per error (one per failing rank for agreed errors, printed by rank 0)."""
+    rank = os.environ.get("RANK", "0")
+    agreed = isinstance(exc, MegatronCkptFixesError)
+    if verbose or logging.getLogger().isEnabledFor(logging.DEBUG):
+        traceback.print_exception(exc)
+    if agreed and rank != "0":
+        return
+    text = str(exc).strip() if agreed else f"{type(exc).__name__}: {str(exc).strip()}"
+    if not agreed:
+        text = text.splitlines()[0] if text else type(exc).__name__
+    prefix = "train.py: error: " if agreed else f"train.py: error on rank {rank}: "
+    print(prefix + text, file=sys.stderr, flush=True)
+
+
+def run_job(job: Job) -> int:
+    code = train(job)
+    job.checkpointer.close()
+    return code
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -187,11 +231,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.getLogger("megatron_ckpt_fixes.training").setLevel(logging.INFO)
     init_distributed()
     try:
-        job = setup(args)
-        code = train(job)
-        job.checkpointer.close()
-        if code == 0 and args.dump_state is not None:
-            _dump(job)
-        return code
+        return run_job(setup(args))
+    except (Exception, MegatronCkptFixesError, CheckpointException) as exc:
+        report_error(exc, args.verbose)
+        return 1
     finally:
         dist.destroy_process_group()

@@ -55,8 +55,8 @@ def test_fault_checkpoint_resume_rerun_and_continue(tmp_path, tmp_path_factory):
 
     # Carry on from the fault checkpoint: nothing is lost, the run ends as the reference does.
     dump = tmp_path / "final.pt"
-    carry = run_job(tmp_path, [*_fault_job_args(ckpt), "--rerun-mode", "disabled",
-                               "--dump-state", str(dump)], name="carry-on")
+    carry = run_job(tmp_path, [*_fault_job_args(ckpt), "--rerun-mode", "disabled"],
+                    name="carry-on", dump=dump)
     assert carry.exit_codes == [0], carry.output[-8000:]
     assert carry.losses() == {i: ref_losses[i] for i in range(FAULT_STEP, 9)}
     assert_same_tensors(load_dump(dump), ref_state)
