@@ -15,8 +15,6 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
-from .errors import ConfigError
-
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line on rank 0 (the other ranks exit quietly)."""
@@ -114,24 +112,29 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def check_world(args: argparse.Namespace, world_size: int) -> None:
-    """What the parallel layout needs from the world size; raises :class:`ConfigError`."""
+def layout_problem(args: argparse.Namespace, world_size: int) -> str | None:
+    """Why the parallel layout cannot be built on ``world_size`` ranks, or None."""
     tp = args.tensor_model_parallel_size
     if world_size % tp:
-        raise ConfigError(f"--tensor-model-parallel-size {tp} does not divide the world size "
-                          f"{world_size}")
+        return f"--tensor-model-parallel-size {tp} does not divide the world size {world_size}"
     if args.num_attention_heads % tp:
-        raise ConfigError(f"--num-attention-heads {args.num_attention_heads} is not divisible "
-                          f"by --tensor-model-parallel-size {tp}")
+        return (f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                f"--tensor-model-parallel-size {tp}")
     dp = world_size // tp
     if args.global_batch_size % dp:
-        raise ConfigError(f"--global-batch-size {args.global_batch_size} is not divisible by "
-                          f"the data-parallel size {dp} (world size {world_size} / TP {tp})")
+        return (f"--global-batch-size {args.global_batch_size} is not divisible by the "
+                f"data-parallel size {dp} (world size {world_size} / TP {tp})")
+    return None
 
 
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """Parse and check the flags against the launcher's ``WORLD_SIZE``; a problem exits 2
+    with one line, before megatron-core is imported."""
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.async_save and args.save is None:
         parser.error("--async-save needs --save")
+    problem = layout_problem(args, int(os.environ.get("WORLD_SIZE", "1")))
+    if problem:
+        parser.error(problem)
     return args

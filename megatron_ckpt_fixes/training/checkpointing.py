@@ -228,8 +228,7 @@ class Checkpointer:
         template = _sharded_parts(model, optimizer, optim=self.options.load_optim,
                                   rng_state=self.options.load_rng, is_loading=True)
         if self.freeze is not None and self.options.load_optim:
-            saved = set(dist_checkpointing.load_tensors_metadata(ckpt))
-            self.freeze.prune_load_template(template["optimizer"], saved)
+            self.freeze.prune_load_template(template["optimizer"], common["iteration"])
         saved_rerun = common.get(RERUN_KEY)
         if saved_rerun is not None:
             # The machine's state is per rank, like the RNG states: it loads only onto the same

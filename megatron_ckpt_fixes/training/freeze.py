@@ -9,8 +9,9 @@ save plan (``--ckpt-assume-constant-structure``) must not miss.
 megatron-core checkpoints one Adam step for all parameters (``common_step``) and refuses
 per-parameter steps, so an unfrozen parameter joins at the common step with zero moments:
 how megatron-core's own ``init_state_fn`` initializes a parameter whose state a checkpoint
-lacks. A checkpoint taken while the embedding was frozen has no state for it; its load
-template leaves that state out.
+lacks. A checkpoint taken at an iteration up to ``until`` (the embedding still frozen) has no
+state for it: its load template leaves that state out. One taken later has it, and a
+checkpoint that lacks it then cannot load (that is a save that lost it, not a freeze).
 """
 
 from __future__ import annotations
@@ -80,9 +81,10 @@ class EmbeddingFreeze:
                                               exp_avg_sq=torch.zeros_like(param.data),
                                               step=steps[0].clone())
 
-    def prune_load_template(self, optimizer_template: dict, saved_keys: set[str]) -> None:
-        """Leave the embedding's optimizer state out of the template when the checkpoint
-        was taken while it was frozen (its keys are not in the checkpoint)."""
+    def prune_load_template(self, optimizer_template: dict, iteration: int) -> None:
+        """Leave the embedding's optimizer state out of the template of a checkpoint taken at
+        ``iteration``, if the embedding was frozen in every step before it."""
+        if iteration > self.until:
+            return
         suffixes = tuple(f".{name}" for name in self.params)
-        _prune(optimizer_template,
-               lambda t: t.key not in saved_keys and t.key.endswith(suffixes))
+        _prune(optimizer_template, lambda t: t.key.endswith(suffixes))

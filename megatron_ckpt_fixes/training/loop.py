@@ -23,7 +23,6 @@ import logging
 import os
 import sys
 import traceback
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +37,7 @@ import megatron_ckpt_fixes
 from ..compat.device import backend_uses_cuda
 from ..errors import MegatronCkptFixesError
 from . import rerun, rng
-from .args import check_world, parse_args
+from .args import parse_args
 from .checkpointing import Checkpointer, CheckpointOptions, TrainState
 from .data import SyntheticTokens
 from .errors import ConfigError
@@ -95,7 +94,6 @@ def checkpoint_options(args: Any) -> CheckpointOptions:
 
 
 def setup(args: Any) -> Job:
-    check_world(args, dist.get_world_size())
     megatron_ckpt_fixes.install(UPSTREAM_FEATURES if args.upstream_only else None)
     if not backend_uses_cuda():
         if args.clip_grad > 0:
@@ -202,19 +200,34 @@ def train(job: Job) -> int:
     return 0
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def describe(exc: BaseException) -> str:
+    """The error as one line per cause: the package's errors are written that way; torch
+    DCP's ``CheckpointException`` carries one failure per rank (with its traceback)."""
+    if isinstance(exc, MegatronCkptFixesError):
+        return str(exc).strip()
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        return "; ".join(f"rank {rank}: {_first_line(error)}"
+                         for rank, (error, _trace) in sorted(failures.items()))
+    return _first_line(exc)
+
+
 def report_error(exc: BaseException, verbose: bool) -> None:
-    """One line per error (one per failing rank for agreed errors, printed by rank 0)."""
+    """Print why the job stops: once per job for the package's errors (the same on every
+    rank), else on each rank that raised; the traceback only when asked for."""
     rank = os.environ.get("RANK", "0")
-    agreed = isinstance(exc, MegatronCkptFixesError)
     if verbose or logging.getLogger().isEnabledFor(logging.DEBUG):
         traceback.print_exception(exc)
-    if agreed and rank != "0":
-        return
-    text = str(exc).strip() if agreed else f"{type(exc).__name__}: {str(exc).strip()}"
-    if not agreed:
-        text = text.splitlines()[0] if text else type(exc).__name__
-    prefix = "train.py: error: " if agreed else f"train.py: error on rank {rank}: "
-    print(prefix + text, file=sys.stderr, flush=True)
+    if isinstance(exc, MegatronCkptFixesError):
+        if rank == "0":
+            print(f"train.py: error: {describe(exc)}", file=sys.stderr, flush=True)
+    else:
+        print(f"train.py: error on rank {rank}: {describe(exc)}", file=sys.stderr, flush=True)
 
 
 def run_job(job: Job) -> int:
@@ -223,8 +236,9 @@ def run_job(job: Job) -> int:
     return code
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
+def main(args: Any = None) -> int:
+    """Run one launch of the job; ``args`` parsed already, or None to parse ``sys.argv``."""
+    args = parse_args() if args is None else args
     logging.basicConfig(level=logging.WARNING,
                         format=f"[rank{os.environ.get('RANK', '?')}] %(levelname)s %(name)s: "
                                "%(message)s")

@@ -1,4 +1,6 @@
-"""A structure change under Megatron-LM's save flow is validated again, by every rank.
+"""Megatron-LM's checkpoint flow on megatron-core, where the training script depends on it.
+
+A structure change under Megatron-LM's save flow is validated again, by every rank.
 
 Megatron-LM keeps one save strategy per job and passes ``validate_access_integrity=False`` on
 every save after the first under ``--ckpt-assume-constant-structure``: a state dict whose
@@ -7,6 +9,10 @@ save where every rank agreed to replan runs the (collective) sharding validation
 rank raises the same ``ShardingValidationError`` naming the key; saves whose structure did
 not change validate nothing (the caller's choice stands). The twin shows plain upstream
 saving the invalid state dict without a word (the new key is simply not in the checkpoint).
+
+``--ckpt-fully-parallel-load`` is refused on gloo by ``scripts/train.py``: the last test shows
+why, megatron-core's load exchange itself needs CUDA (its twin: if upstream ever runs it on
+CPU, that test fails and the refusal can go).
 """
 
 from __future__ import annotations
@@ -78,12 +84,39 @@ def megatron_lm_flow(rank: int, ws: int, strategy: str) -> dict:
     return out
 
 
+def fully_parallel_load(rank: int, ws: int) -> tuple | None:
+    """Load a replicated tensor with megatron-core's fully-parallel load wrapper on gloo."""
+    from megatron.core import dist_checkpointing as dc
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelLoadStrategyWrapper,
+    )
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+
+    def replicated(value: float) -> dict:
+        return {"r": ShardedTensor.from_rank_offsets("r", torch.full((4,), value),
+                                                     replica_id=rank)}
+
+    root = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(root, src=0)
+    dc.save(replicated(1.0), root[0])
+    wrapper = FullyParallelLoadStrategyWrapper(TorchDistLoadShardedStrategy(), None)
+    try:
+        dc.load(replicated(0.0), root[0], wrapper)
+    except BaseException as exc:  # noqa: BLE001 - reported to the test
+        return type(exc).__name__, str(exc)
+    return None
+
+
 def both_strategies(rank: int, ws: int, features: list[str] | None) -> dict:
     """One process group for both strategies (an agreed error leaves the ranks in step)."""
     import megatron_ckpt_fixes
 
     megatron_ckpt_fixes.install(features)
-    return {strategy: megatron_lm_flow(rank, ws, strategy) for strategy in STRATEGIES}
+    out = {strategy: megatron_lm_flow(rank, ws, strategy) for strategy in STRATEGIES}
+    if features is not None:  # plain upstream
+        out["fully_parallel_load"] = fully_parallel_load(rank, ws)
+    return out
 
 
 STRATEGIES = ("plain", "fully_parallel")
@@ -116,3 +149,10 @@ def test_upstream_saves_the_invalid_state_dict_silently(upstream, strategy):
     results = [per_rank[strategy] for per_rank in upstream]
     assert [r["error"] for r in results] == [None, None]
     assert "late" not in results[0]["keys"]
+
+
+def test_upstream_fully_parallel_load_exchange_needs_cuda(upstream):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the exchange's .cuda() calls would succeed")
+    errors = [per_rank["fully_parallel_load"] for per_rank in upstream]
+    assert all(e is not None and "CUDA" in e[1] for e in errors), errors
