@@ -29,7 +29,7 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
@@ -37,9 +37,9 @@ from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.rerun_state_machine import RerunStateMachine
 from torch.distributed.checkpoint import CheckpointException
 
-from ..agreement import check, rank_and_size, run
+from ..agreement import RaiseAs, check, rank_and_size
 from . import layout, rng
-from .errors import CheckpointReadError, CheckpointSaveError
+from .errors import CheckpointReadError, CheckpointSaveError, describe
 from .freeze import EmbeddingFreeze
 from .strategies import (
     CheckpointingContext,
@@ -89,6 +89,28 @@ def _cause(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}".strip()
 
 
+T = TypeVar("T")
+
+
+def agreed(compute: Callable[[], T], what: str, raise_as: RaiseAs) -> T:
+    """Run a rank-local step; if it fails on any rank, every rank raises the same error.
+
+    Like :func:`megatron_ckpt_fixes.agreement.run`, but torch DCP's ``CheckpointException``
+    and this package's errors (``BaseException`` subclasses, not ``Exception``) are agreed
+    too, each described by its causes rather than by its per-rank tracebacks.
+    """
+    result: Any = None
+    error: str | None = None
+    try:
+        result = compute()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - raised on every rank by check()
+        error = describe(exc)
+    check(error, what, raise_as=raise_as)
+    return result
+
+
 def _write_failure(what: str, reports: dict[int, dict[int, str]]) -> CheckpointSaveError:
     """One error from what each rank knows of a failed write: megatron-core gives the
     coordinator every failing rank's cause and the other ranks none."""
@@ -133,10 +155,10 @@ class Checkpointer:
         iteration = state.iteration
         staging = layout.staging_dir(root, iteration)
         what = f"saving iteration {iteration} to {staging}"
-        run(functools.partial(_prepare_staging, staging), what, raise_as=CheckpointSaveError)
-        sharded = run(lambda: self._state_to_save(state, model, optimizer, machine,
-                                                  data_iterator),
-                      what, raise_as=CheckpointSaveError)
+        agreed(functools.partial(_prepare_staging, staging), what, CheckpointSaveError)
+        sharded = agreed(lambda: self._state_to_save(state, model, optimizer, machine,
+                                                     data_iterator),
+                         what, CheckpointSaveError)
         strategy, validate = save_strategy(self.options.strategy, self.context)
         kwargs = {} if self.async_strategy is None else {"async_strategy": self.async_strategy}
         request = dist_checkpointing.save(sharded, str(staging), strategy,
@@ -205,18 +227,18 @@ class Checkpointer:
         root = self.options.load
         assert root is not None, "load() needs --load"
         what = f"reading the checkpoint to resume from in {root}"
-        found = run(functools.partial(_locate, root), what, raise_as=CheckpointReadError)
+        found = agreed(functools.partial(_locate, root), what, CheckpointReadError)
         if found is None:
             logger.info("no checkpoint in %s: starting from scratch", root)
             return None
         ckpt, common = found
         what = f"loading {ckpt}"
-        template = run(lambda: self._load_template(ckpt, common, model, optimizer, machine),
-                       what, raise_as=CheckpointReadError)
+        template = agreed(lambda: self._load_template(ckpt, common, model, optimizer, machine),
+                          what, CheckpointReadError)
         loaded = dist_checkpointing.load(template, ckpt,
                                          load_strategy(self.options.strategy, self.context, ckpt))
-        return run(lambda: self._restore(loaded, ckpt, model, optimizer, machine), what,
-                   raise_as=CheckpointReadError)
+        return agreed(lambda: self._restore(loaded, ckpt, model, optimizer, machine), what,
+                      CheckpointReadError)
 
     def _load_template(self, ckpt: str, common: dict[str, Any], model: Any,
                        optimizer: MegatronOptimizer, machine: RerunStateMachine) -> dict:

@@ -40,9 +40,8 @@ from . import rerun, rng
 from .args import parse_args
 from .checkpointing import Checkpointer, CheckpointOptions, TrainState
 from .data import SyntheticTokens
-from .errors import ConfigError
+from .errors import ConfigError, describe
 from .freeze import EmbeddingFreeze
-from .strategies import StrategyOptions
 from .model import (
     ModelShape,
     allreduce_data_parallel_grads,
@@ -51,6 +50,7 @@ from .model import (
     data_parallel_mean,
     forward_loss,
 )
+from .strategies import StrategyOptions
 
 logger = logging.getLogger(__name__)
 
@@ -187,7 +187,8 @@ def train(job: Job) -> int:
             return exit_code
         state.iteration += 1
         state.consumed_batches += 1
-        if args.save is not None and args.save_interval and state.iteration % args.save_interval == 0:
+        if args.save is not None and args.save_interval \
+                and state.iteration % args.save_interval == 0:
             saved_at = _save(job)
         if args.exit_interval and state.iteration % args.exit_interval == 0:
             if args.save is not None and saved_at != state.iteration:
@@ -198,23 +199,6 @@ def train(job: Job) -> int:
     if args.save is not None and saved_at != state.iteration:
         _save(job)
     return 0
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
-
-
-def describe(exc: BaseException) -> str:
-    """The error as one line per cause: the package's errors are written that way; torch
-    DCP's ``CheckpointException`` carries one failure per rank (with its traceback)."""
-    if isinstance(exc, MegatronCkptFixesError):
-        return str(exc).strip()
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and failures:
-        return "; ".join(f"rank {rank}: {_first_line(error)}"
-                         for rank, (error, _trace) in sorted(failures.items()))
-    return _first_line(exc)
 
 
 def report_error(exc: BaseException, verbose: bool) -> None:
@@ -236,13 +220,28 @@ def run_job(job: Job) -> int:
     return code
 
 
+class _OneLineFormatter(logging.Formatter):
+    """Log records without the tracebacks libraries attach to handled errors (torch DCP
+    logs one per rank when a checkpoint lacks its ``.metadata``); ``--verbose`` keeps them."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        plain = logging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None,
+                                       "stack_info": None})
+        return super().format(plain)
+
+
+def configure_logging(verbose: bool) -> None:
+    handler = logging.StreamHandler()
+    fmt = f"[rank{os.environ.get('RANK', '?')}] %(levelname)s %(name)s: %(message)s"
+    handler.setFormatter(logging.Formatter(fmt) if verbose else _OneLineFormatter(fmt))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
+    logging.getLogger("megatron_ckpt_fixes.training").setLevel(logging.INFO)
+
+
 def main(args: Any = None) -> int:
     """Run one launch of the job; ``args`` parsed already, or None to parse ``sys.argv``."""
     args = parse_args() if args is None else args
-    logging.basicConfig(level=logging.WARNING,
-                        format=f"[rank{os.environ.get('RANK', '?')}] %(levelname)s %(name)s: "
-                               "%(message)s")
-    logging.getLogger("megatron_ckpt_fixes.training").setLevel(logging.INFO)
+    configure_logging(args.verbose)
     init_distributed()
     try:
         return run_job(setup(args))

@@ -84,4 +84,5 @@ def test_relaunch_on_the_same_device_is_asked_to_restart_again(tmp_path):
     assert "Got rescheduled on the same GPU" in job.output
     outcomes = [(r["rerun_state"], r["exit_code"]) for r in job.log if r["exit_code"] is not None]
     assert outcomes == [("WILL_RERUN_FROM_CHECKPOINT", 16), ("RERUNNING_AGAIN_FROM_CHECKPOINT", 16)]
-    assert layout.read_tracker(ckpt) == FAULT_STEP - 1  # the fault checkpoint stays for the next try
+    # The fault checkpoint stays for the next try.
+    assert layout.read_tracker(ckpt) == FAULT_STEP - 1
