@@ -85,10 +85,6 @@ def _sharded_parts(model: Any, optimizer: MegatronOptimizer, *, optim: bool, rng
     return parts
 
 
-def _cause(exc: BaseException) -> str:
-    return f"{type(exc).__name__}: {exc}".strip()
-
-
 T = TypeVar("T")
 
 
@@ -201,7 +197,7 @@ class Checkpointer:
             try:
                 logger.info("saved checkpoint %s", layout.publish(root, iteration))
             except OSError as exc:
-                error = _cause(exc)
+                error = describe(exc)
         check(error, f"publishing the checkpoint of iteration {iteration} in {root}",
               raise_as=CheckpointSaveError)
 
@@ -296,6 +292,6 @@ def agreed_write_failure(what: str) -> Iterator[None]:
     try:
         yield
     except CheckpointException as exc:
-        report = {rank: _cause(error) for rank, (error, _trace) in exc.failures.items()}
+        report = {rank: describe(error) for rank, (error, _trace) in exc.failures.items()}
         check(report, what, raise_as=_write_failure)
         raise  # not reached: check() raised on every rank

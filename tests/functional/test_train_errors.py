@@ -14,7 +14,7 @@ import shutil
 import subprocess
 
 import pytest
-from training_runs import COMMON, run_job
+from training_runs import COMMON, reference, reference_dir, run_job
 
 from megatron_ckpt_fixes.training import layout
 
@@ -47,25 +47,23 @@ def test_bad_flags(tmp_path, flags, expected):
     _assert_one_clear_error(job, expected, code=2)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def saved(tmp_path_factory):
-    """A complete checkpoint of iteration 1 to break in different ways."""
-    root = tmp_path_factory.mktemp("saved")
-    job = run_job(root, [*JOB, "--train-iters", "1", "--save", str(root / "ckpt")])
-    assert job.exit_codes == [0], job.output[-6000:]
-    return root / "ckpt"
+    """The shared reference run's checkpoint (TP=2, iteration 8), to copy and break."""
+    reference(tmp_path_factory)
+    return reference_dir(tmp_path_factory) / "ckpt"
 
 
 def _broken_copy(saved, tmp_path, name: str):
     ckpt = tmp_path / name
     shutil.copytree(saved, ckpt)
-    return ckpt, layout.iteration_dir(ckpt, 1)
+    return ckpt, layout.iteration_dir(ckpt, 8)
 
 
 def test_unreadable_tracker(saved, tmp_path):
     ckpt, _ = _broken_copy(saved, tmp_path, "tracker")
     layout.tracker_path(ckpt).write_text("release\n")
-    job = run_job(tmp_path, [*JOB, "--train-iters", "2", "--load", str(ckpt)])
+    job = run_job(tmp_path, [*JOB, "--train-iters", "9", "--load", str(ckpt)])
     _assert_one_clear_error(job, "reading the checkpoint to resume from", "rank 0: ValueError",
                             "rank 1: ValueError", "expected an iteration number, found 'release'")
 
@@ -73,7 +71,7 @@ def test_unreadable_tracker(saved, tmp_path):
 def test_checkpoint_without_metadata(saved, tmp_path):
     ckpt, iteration = _broken_copy(saved, tmp_path, "no-metadata")
     (iteration / ".metadata").unlink()
-    job = run_job(tmp_path, [*JOB, "--train-iters", "2", "--load", str(ckpt)])
+    job = run_job(tmp_path, [*JOB, "--train-iters", "9", "--load", str(ckpt)])
     _assert_one_clear_error(job, str(iteration), "rank 0: ", "rank 1: ", ".metadata")
 
 
@@ -93,7 +91,7 @@ def _tmpfs_wrap(mountpoint) -> tuple[str, ...]:
 def test_full_disk_during_a_save(tmp_path):
     ckpt = tmp_path / "ckpt"
     ckpt.mkdir()
-    job = run_job(tmp_path, [*JOB, "--train-iters", "3", "--save", str(ckpt),
+    job = run_job(tmp_path, [*JOB, "--train-iters", "2", "--save", str(ckpt),
                              "--save-interval", "1"], wrap=_tmpfs_wrap(ckpt))
     # Which ranks' writers run out of space varies from run to run. Every rank raises the same
     # error (one error line for the job: a rank with its own error would print its own line),

@@ -10,7 +10,9 @@ bitwise, and a relaunch that carries on from the fault checkpoint (rerun state m
 ends exactly where the uninterrupted run ends.
 
 The twin runs the same job on plain upstream (``--upstream-only``: only the CPU/gloo support)
-and shows the failure this project fixes: the fault checkpoint does not load.
+and asserts what the installed megatron-core really does, detected from its behaviour: before
+0.18 the fault checkpoint does not load (the failure this project fixes); from 0.18 on
+upstream emits the rerun state machine's sentinel itself and the fault checkpoint loads.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from training_runs import (
     run_job,
 )
 
+from megatron_ckpt_fixes.rerun.sentinel import upstream_emits_sentinel
 from megatron_ckpt_fixes.training import layout
 
 FAULT_STEP = 5  # first injection with COMMON's seed; saves at iterations 1..4 came before
@@ -62,12 +65,17 @@ def test_fault_checkpoint_resume_rerun_and_continue(tmp_path, tmp_path_factory):
     assert_same_tensors(load_dump(dump), ref_state)
 
 
-def test_upstream_fault_checkpoint_does_not_load(tmp_path):
+def test_upstream_fault_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     job = run_job(tmp_path, [*_fault_job_args(ckpt), "--upstream-only"], max_restarts=2,
                   name="upstream")
 
     assert job.exit_codes[0] == 16, job.output[-8000:]
+    if upstream_emits_sentinel() is not None:
+        # megatron-core >= 0.18: the structure stays constant, the relaunch reruns and judges.
+        assert job.exit_codes == [16, 17], job.output[-8000:]
+        assert any(r["rerun_state"] == "RERUNNING_FROM_CHECKPOINT" for r in job.log)
+        return
     assert len(job.exit_codes) == 2 and job.exit_codes[1] not in (0, 16, 17), job.output[-8000:]
     assert "Missing key in checkpoint state_dict: rerun_state_machine_state/shard_" in job.output
     # The relaunch never got to rerun the step.

@@ -32,6 +32,13 @@ def _args(ckpt) -> list[str]:
             "--freeze-embedding-until", "3"]
 
 
+def _saved(ckpt, iteration: int) -> dict[str, tuple]:
+    """Key -> (global size, dtype) of every tensor in a checkpoint's ``.metadata``."""
+    md = FileSystemReader(str(layout.iteration_dir(ckpt, iteration))).read_metadata()
+    return {key: (tuple(entry.size), entry.properties.dtype)
+            for key, entry in md.state_dict_metadata.items() if hasattr(entry, "size")}
+
+
 def _saved_keys(ckpt, iteration: int) -> set[str]:
     return set(FileSystemReader(str(layout.iteration_dir(ckpt, iteration)))
                .read_metadata().state_dict_metadata)
@@ -62,12 +69,16 @@ def test_unfreezing_is_a_structure_change_under_the_cached_plan(uninterrupted):
 
 def test_resume_after_the_change_is_bitwise(uninterrupted, tmp_path):
     root, job, final = uninterrupted
-    dump = tmp_path / "resumed.pt"
-    resumed = run_job(tmp_path, _args(root / "ckpt"), name="resumed", dump=dump)
+    ckpt, dump = root / "ckpt", tmp_path / "resumed.pt"
+    before = _saved(ckpt, RESUME_AT)
+    resumed = run_job(tmp_path, _args(ckpt), name="resumed", dump=dump)
     assert resumed.exit_codes == [0], resumed.output[-6000:]
     assert f"starting at iteration {RESUME_AT}" in resumed.output
     assert resumed.losses() == {i: job.losses()[i] for i in range(RESUME_AT + 1, 9)}
     assert_same_tensors(load_dump(dump), final)
+    # The resumed job's saves started from the metadata its load read (Megatron-LM's
+    # hand-over); what they wrote describes every tensor as the checkpoint it resumed from.
+    assert _saved(ckpt, 8) == before
 
 
 def test_upstream_loses_the_unfrozen_state_and_cannot_resume(tmp_path):
