@@ -9,10 +9,11 @@ state from *before* the suspicious step, which the relaunched job reruns.
 Between steps: save every ``--save-interval`` iterations, save and exit 0 at
 ``--exit-interval``, save at the end. Exit code 0 is a normal end.
 
-A job that cannot go on (bad flags, an unreadable checkpoint, a failed save) ends with exit
-code 1 and one line per error: errors of this package are the same on every rank (agreed),
-so rank 0 prints them once for the job; any other error is printed by each rank that raised
-it. The traceback is printed only with ``--verbose`` (or logging at DEBUG).
+A job that cannot go on (an unreadable checkpoint, a failed save, flags it cannot run with)
+ends with exit code 1 and one line per cause: an error every rank raised identically (agreed
+by the package) is printed once for the job, by rank 0; any other error by each rank that
+raised it. The traceback is printed only with ``--verbose`` (or logging at DEBUG). Bad
+flags end earlier, in :mod:`.args` (exit code 2).
 """
 
 from __future__ import annotations
@@ -34,8 +35,11 @@ from torch.distributed.checkpoint import CheckpointException
 
 import megatron_ckpt_fixes
 
+from ..agreement import AgreementError
 from ..compat.device import backend_uses_cuda
-from ..errors import MegatronCkptFixesError
+from ..errors import MegatronCkptFixesError, UnsupportedVersionError
+from ..load_errors import CheckpointLoadError
+from ..structure.integrity import ShardingValidationError
 from . import rerun, rng
 from .args import parse_args
 from .checkpointing import Checkpointer, CheckpointOptions, TrainState
@@ -201,13 +205,19 @@ def train(job: Job) -> int:
     return 0
 
 
+#: Errors every rank raises identically (agreed, or decided from the same inputs): the job
+#: prints them once. Any other error is printed by each rank that raised it.
+SAME_ON_EVERY_RANK: tuple[type[BaseException], ...] = (
+    AgreementError, CheckpointLoadError, ShardingValidationError, ConfigError,
+    UnsupportedVersionError)
+
+
 def report_error(exc: BaseException, verbose: bool) -> None:
-    """Print why the job stops: once per job for the package's errors (the same on every
-    rank), else on each rank that raised; the traceback only when asked for."""
+    """Print why the job stops, one line per cause; the traceback only when asked for."""
     rank = os.environ.get("RANK", "0")
     if verbose or logging.getLogger().isEnabledFor(logging.DEBUG):
         traceback.print_exception(exc)
-    if isinstance(exc, MegatronCkptFixesError):
+    if isinstance(exc, SAME_ON_EVERY_RANK):
         if rank == "0":
             print(f"train.py: error: {describe(exc)}", file=sys.stderr, flush=True)
     else:
@@ -239,7 +249,10 @@ def configure_logging(verbose: bool) -> None:
 
 
 def main(args: Any = None) -> int:
-    """Run one launch of the job; ``args`` parsed already, or None to parse ``sys.argv``."""
+    """Run one launch of the job; ``args`` parsed already, or None to parse ``sys.argv``.
+
+    A job that cannot go on returns 1 after printing why (:func:`report_error`).
+    """
     args = parse_args() if args is None else args
     configure_logging(args.verbose)
     init_distributed()
