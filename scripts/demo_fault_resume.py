@@ -1,47 +1,152 @@
 #!/usr/bin/env python
-"""One-command demo: fault -> exit 16 -> relaunch -> rerun from the checkpoint -> continue.
+"""One-command demo: fault -> exit 16 -> relaunch -> rerun -> continue; then a structure change.
 
     python scripts/demo_fault_resume.py            # with the fixes (install())
-    python scripts/demo_fault_resume.py --upstream # plain megatron-core: the load fails
+    python scripts/demo_fault_resume.py --upstream # plain megatron-core (CPU/gloo support only)
 
-A 2-rank job (TP=2, gloo on CPU) saves every iteration with
+Part 1. A 2-rank job (TP=2, gloo on CPU) saves every iteration with
 ``--ckpt-assume-constant-structure``; megatron-core's error injector makes step 5 give a
 persistent error. The rerun state machine reruns the step in place, saves a fault checkpoint
 (a warm cached plan by then) and exits 16; ``run_with_restarts.py`` relaunches the job on
 another placement, which loads the fault checkpoint, reruns step 5 (RERUNNING_FROM_CHECKPOINT)
 and judges it (a persistent error: exit 17, as upstream does for a fatal check). The job
 then carries on from the fault checkpoint to the end, and its loss history is compared with
-an uninterrupted run's, bitwise.
+an uninterrupted run's, bitwise. On plain megatron-core before 0.18 the relaunch fails to
+load the fault checkpoint; from 0.18 on megatron-core emits the rerun state itself (the
+"sentinel") and part 1 works upstream too.
+
+Part 2. What the package still fixes on every release: a structure change inside a run.
+Two ranks (TP=1, so Megatron-LM's fully-parallel save splits each save between them) train
+with the embedding frozen for 3 iterations (``--freeze-embedding-until 3``), saving every
+iteration under the cached plan; at iteration 4 the embedding's Adam state appears. The job
+is resumed from its checkpoint of iteration 5 and must continue bitwise like the
+uninterrupted run. Upstream keeps the stale cached plan: the state is missing from the
+checkpoints and the resume fails at load.
+
+The demo checks that every outcome is the one expected for the megatron-core installed
+(detected from its behaviour), and exits 1 otherwise.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parent
+sys.path.insert(0, str(SCRIPTS.parent))
+
 RUNNER = SCRIPTS / "run_with_restarts.py"
-JOB = ["--tensor-model-parallel-size", "2", "--seed", "1237", "--train-iters", "8"]
+JOB = ["--seed", "1237", "--train-iters", "8"]
 FAULT = ["--rerun-mode", "validate_results", "--error-injection-rate", "10",
          "--error-injection-type", "persistent_error"]
+#: The relaunch's load failure upstream (megatron-core < 0.18, no sentinel).
+MISSING_RERUN_STATE = "Missing key in checkpoint state_dict: rerun_state_machine_state/shard_"
+#: The resume's load failure upstream after the embedding unfroze (0.16 and 0.19 word the
+#: missing key differently; both name it).
+MISSING_ADAM_STATE = re.compile(r"optimizer\.state\.exp_avg(_sq)?\.embedding\.\S+")
+RESUME_AT = 5
 
 
-def run(step: str, workdir: Path, train_args: list[str], max_restarts: int) -> list[dict]:
+@dataclass
+class Run:
+    codes: list[int]
+    output: str
+
+
+def run(step: str, workdir: Path, train_args: list[str], max_restarts: int = 0) -> Run:
+    """Run a job through the runner, echoing its output, and collect its exit codes."""
     print(f"\n=== {step} ===", flush=True)
-    report = workdir / f"{step.split()[0].lower()}.attempts.json"
-    subprocess.run([sys.executable, str(RUNNER), "--nproc-per-node", "2", "--max-restarts",
-                    str(max_restarts), "--report", str(report), "--", *train_args], check=False)
-    return json.loads(report.read_text())
+    report = workdir / f"{re.sub(r'[^a-z]+', '-', step.lower()).strip('-')}.attempts.json"
+    proc = subprocess.Popen([sys.executable, str(RUNNER), "--nproc-per-node", "2",
+                             "--max-restarts", str(max_restarts), "--report", str(report), "--",
+                             *train_args], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    lines = []
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        print(line, end="", flush=True)
+        lines.append(line)
+    proc.wait()
+    attempts = json.loads(report.read_text()) if report.exists() else []
+    return Run([a["exit_code"] for a in attempts], "".join(lines))
 
 
 def losses(log: Path) -> dict[int, str]:
     records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     return {r["iteration"]: r["loss"] for r in records if r["exit_code"] is None}
+
+
+def verdict(ok: bool, text: str) -> bool:
+    print(f"{'OK ' if ok else 'UNEXPECTED'}: {text}", flush=True)
+    return ok
+
+
+def fault_part(workdir: Path, upstream: bool, sentinel_upstream: bool) -> bool:
+    ckpt, log = workdir / "fault-ckpt", workdir / "fault.log.jsonl"
+    fault_job = [*JOB, *FAULT, "--tensor-model-parallel-size", "2", "--save", str(ckpt),
+                 "--load", str(ckpt), "--save-interval", "1",
+                 "--ckpt-assume-constant-structure", "--log-file", str(log)]
+    if upstream:
+        fault_job.append("--upstream-only")
+    fault = run("Part 1: fault job (relaunched on exit 16)", workdir, fault_job, max_restarts=2)
+    if upstream and not sentinel_upstream:
+        return verdict(
+            fault.codes[:1] == [16] and len(fault.codes) == 2 and fault.codes[1] not in (0, 16, 17)
+            and MISSING_RERUN_STATE in fault.output,
+            f"exit codes {fault.codes}: plain megatron-core saved the fault checkpoint with a "
+            "stale cached plan and the relaunch cannot load it (Missing key "
+            "rerun_state_machine_state)")
+    if fault.codes != [16, 17]:
+        return verdict(False, f"exit codes {fault.codes}, expected [16, 17]: the fault "
+                              "checkpoint could not be resumed")
+    if upstream:
+        print("megatron-core emits the rerun state machine's sentinel itself (0.18 and later): "
+              "the fault checkpoint loads on plain upstream too.", flush=True)
+    run("Part 1: carry on from the fault checkpoint", workdir,
+        [*fault_job, "--rerun-mode", "disabled"])
+    ref_log = workdir / "reference.log.jsonl"
+    reference = run("Part 1: reference (uninterrupted)", workdir,
+                    [*JOB, "--tensor-model-parallel-size", "2", "--rerun-mode",
+                     "validate_results", "--log-file", str(ref_log)]
+                    + (["--upstream-only"] if upstream else []))
+    return verdict(reference.codes == [0] and losses(log) == losses(ref_log) != {},
+                   f"exit codes {fault.codes} (16: resume to disambiguate, 17: validation "
+                   "failed after the rerun from the checkpoint); the loss of every step equals "
+                   "the uninterrupted run's, bitwise")
+
+
+def structure_part(workdir: Path, upstream: bool) -> bool:
+    ckpt = workdir / "unfreeze-ckpt"
+    job = [*JOB, "--tensor-model-parallel-size", "1", "--save", str(ckpt), "--load", str(ckpt),
+           "--save-interval", "1", "--ckpt-assume-constant-structure",
+           "--freeze-embedding-until", "3"] + (["--upstream-only"] if upstream else [])
+    log, resumed_log = workdir / "unfreeze.log.jsonl", workdir / "resumed.log.jsonl"
+    whole = run("Part 2: the embedding unfreezes at iteration 4 (saved every iteration)",
+                workdir, [*job, "--log-file", str(log)])
+    if whole.codes != [0]:
+        return verdict(False, f"exit codes {whole.codes}, expected [0]")
+    tracker = ckpt / "latest_checkpointed_iteration.txt"
+    tracker.write_text(f"{RESUME_AT}\n")  # as a job that died after its fifth save leaves it
+    resumed = run(f"Part 2: resume from iteration {RESUME_AT}", workdir,
+                  [*job, "--log-file", str(resumed_log)])
+    if upstream:
+        missing = MISSING_ADAM_STATE.search(resumed.output)
+        return verdict(resumed.codes == [1] and missing is not None,
+                       "plain megatron-core reused its cached plan after the structure "
+                       "changed: the checkpoint lacks "
+                       f"{missing.group(0) if missing else 'the embedding Adam state'} and the "
+                       "resume fails at load")
+    expected = {i: loss for i, loss in losses(log).items() if i > RESUME_AT}
+    return verdict(resumed.codes == [0] and losses(resumed_log) == expected != {},
+                   "every rank replanned at the change; the resume from iteration "
+                   f"{RESUME_AT} continues bitwise like the uninterrupted run")
 
 
 def main() -> int:
@@ -50,34 +155,18 @@ def main() -> int:
                    default=Path(tempfile.gettempdir()) / "megatron_ckpt_fixes_demo",
                    help="checkpoints and logs go here (emptied first)")
     p.add_argument("--upstream", action="store_true",
-                   help="plain megatron-core (only CPU/gloo support): shows the load failure")
+                   help="plain megatron-core (only CPU/gloo support): shows what still fails")
     args = p.parse_args()
     shutil.rmtree(args.workdir, ignore_errors=True)
     args.workdir.mkdir(parents=True)
-    ckpt, log = args.workdir / "ckpt", args.workdir / "fault.log.jsonl"
-    fault_job = [*JOB, *FAULT, "--save", str(ckpt), "--load", str(ckpt), "--save-interval", "1",
-                 "--ckpt-assume-constant-structure", "--log-file", str(log)]
-    if args.upstream:
-        fault_job.append("--upstream-only")
 
-    attempts = run("Fault job (relaunched on exit 16)", args.workdir, fault_job, max_restarts=2)
-    codes = [a["exit_code"] for a in attempts]
-    if codes[:1] != [16] or len(codes) < 2 or codes[1] not in (16, 17):
-        print(f"\nexit codes {codes}: the fault checkpoint could not be resumed"
-              + (" (the upstream failure)" if args.upstream else ""))
-        return 1
-    run("Carry on from the fault checkpoint", args.workdir, [*fault_job, "--rerun-mode",
-                                                             "disabled"], max_restarts=0)
-    ref_log = args.workdir / "reference.log.jsonl"
-    run("Reference (uninterrupted)", args.workdir,
-        [*JOB, "--rerun-mode", "validate_results", "--log-file", str(ref_log)], max_restarts=0)
+    from megatron_ckpt_fixes.rerun.sentinel import upstream_emits_sentinel
 
-    same = losses(log) == losses(ref_log)
-    print(f"\nexit codes of the fault job: {codes} (16: resume to disambiguate, "
-          "17: validation failed after the rerun from the checkpoint)")
-    print(f"loss per step equals the uninterrupted run's, bitwise: {same}")
-    print(f"checkpoints and logs: {args.workdir}")
-    return 0 if same else 1
+    sentinel_upstream = upstream_emits_sentinel() is not None
+    results = [fault_part(args.workdir, args.upstream, sentinel_upstream),
+               structure_part(args.workdir, args.upstream)]
+    print(f"\ncheckpoints and logs: {args.workdir}")
+    return 0 if all(results) else 1
 
 
 if __name__ == "__main__":

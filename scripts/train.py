@@ -8,7 +8,8 @@
         --error-injection-type persistent_error
 
 Exit codes: 0 done (or --exit-interval), 16 resume from the fault checkpoint to disambiguate,
-17 failed result validation. See docs/training.md.
+17 failed result validation, 1 an error (one line per error; --verbose for tracebacks),
+2 bad flags. See docs/training.md.
 """
 
 import sys
@@ -16,7 +17,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from megatron_ckpt_fixes.training.loop import main  # noqa: E402
+# Flags are checked before megatron-core is imported: a bad one costs a second, not a
+# model build, and every rank exits while rank 0 says why.
+from megatron_ckpt_fixes.training.args import parse_args  # noqa: E402
 
 if __name__ == "__main__":
-    sys.exit(main())
+    arguments = parse_args()
+    from megatron_ckpt_fixes.training.loop import main
+
+    sys.exit(main(arguments))

@@ -10,6 +10,14 @@ the previous save failed on some rank), and if so every rank resets every cache 
 that strategy so upstream replans from scratch. Unchanged structure takes upstream's cached
 fast path untouched.
 
+A caller that trusts the cache also skips megatron-core's sharding validation: Megatron-LM's
+``save_checkpoint`` passes ``validate_access_integrity=not ckpt_assume_constant_structure``
+on every save after the first, so under the flag a changed structure would never be
+validated again. The save where every rank agreed to replan therefore runs upstream's
+``validate_sharding_integrity`` (the collective one of :mod:`.integrity`) on the state dict,
+unless it already ran in this save: the patched ``dist_checkpointing.save`` records, for the
+save it makes, whether the caller asked for validation.
+
 The cache attributes are upstream's private state, so the patches probe a freshly built
 caching strategy at ``install()``: each attribute reset here must exist, and any attribute
 that looks like a cache but is not known here is refused (a cache this fix cannot reset is
@@ -20,11 +28,14 @@ from __future__ import annotations
 
 import contextvars
 import functools
+import inspect
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any, Callable
 
 from .._patching import Patch
+from ..agreement import agree
 from .guard import StructureGuard
 
 _STRATEGIES = "megatron.core.dist_checkpointing.strategies"
@@ -45,10 +56,23 @@ DISTRIBUTION_CACHES: dict[str, Any] = {"cached_distribution": None}
 
 _GUARD_ATTR = "_mcf_structure_guard"
 _ACTIVE_ATTR = "_mcf_structure_checked"
-#: Set while a guarded save runs, so a nested strategy (the fully-parallel wrapper's base)
-#: reports the same change at debug level only: each change is logged once per rank.
-_OUTER_SAVE: contextvars.ContextVar[bool] = contextvars.ContextVar("mcf_outer_save",
-                                                                   default=False)
+_DC = "megatron.core.dist_checkpointing"
+
+
+@dataclass
+class SaveScope:
+    """One checkpoint save, from ``dist_checkpointing.save`` (or the outermost guarded
+    strategy call) down to the nested strategies it calls."""
+
+    #: Whether megatron-core's sharding validation ran (or runs) on this save's state dict.
+    validated: bool
+    #: A guarded strategy already checked the structure in this save: a nested strategy (the
+    #: fully-parallel wrapper's base) logs the same change at debug level only.
+    checked: bool = False
+
+
+_SCOPE: contextvars.ContextVar[SaveScope | None] = contextvars.ContextVar("mcf_save_scope",
+                                                                          default=None)
 
 
 def drop_caches(strategy: Any, caches: dict[str, Any]) -> None:
@@ -77,6 +101,19 @@ def forget_reader_metadata(checkpoint_dir: Any) -> None:
         cache.pop(os.path.abspath(os.fspath(checkpoint_dir)), None)
 
 
+def validate_changed_structure(sharded_state_dict: Any, scope: SaveScope, what: str) -> None:
+    """Collective: on a save that replans, run megatron-core's sharding validation unless it
+    already ran in this save (agreed, so that every rank or none enters the validation)."""
+    from megatron.core.dist_checkpointing import validation
+
+    if not agree(not scope.validated, None, f"whether to validate the sharding ({what})"):
+        return
+    scope.validated = True
+    # Looked up at call time: the collective validation of .integrity when installed.
+    validation.validate_sharding_integrity(
+        validation.determine_global_metadata(sharded_state_dict)[1])
+
+
 def guarded_save(original: Callable[..., Any], caching: Callable[[Any], bool],
                  caches: dict[str, Any]) -> Callable[..., Any]:
     """Wrap a strategy's ``save``/``async_save`` with the collective structure check.
@@ -93,21 +130,52 @@ def guarded_save(original: Callable[..., Any], caching: Callable[[Any], bool],
             return original(self, sharded_state_dict, checkpoint_dir, *args, **kwargs)
         guard = guard_of(self)
         what = f"structure check of {type(self).__name__} before saving {checkpoint_dir}"
-        level = logging.DEBUG if _OUTER_SAVE.get() else logging.WARNING
-        if guard.should_replan(sharded_state_dict, what, log_level=level):
-            drop_caches(self, caches)
+        outer = _SCOPE.get()
+        # Called without dist_checkpointing.save: nothing validated this save yet.
+        scope = outer if outer is not None else SaveScope(validated=False)
+        level = logging.DEBUG if scope.checked else logging.WARNING
+        scope.checked = True
         self.__dict__[_ACTIVE_ATTR] = True
-        token = _OUTER_SAVE.set(True)
+        token = _SCOPE.set(scope)
         try:
+            if guard.should_replan(sharded_state_dict, what, log_level=level):
+                drop_caches(self, caches)
+                validate_changed_structure(sharded_state_dict, scope, str(checkpoint_dir))
             return original(self, sharded_state_dict, checkpoint_dir, *args, **kwargs)
         except BaseException:
             guard.save_failed()
             raise
         finally:
-            _OUTER_SAVE.reset(token)
+            _SCOPE.reset(token)
             self.__dict__[_ACTIVE_ATTR] = False
 
     return save
+
+
+def scoped_save(original: Callable[..., Any]) -> Callable[..., Any]:
+    """Wrap ``dist_checkpointing.save``: open the save's scope, recording whether the caller
+    asked megatron-core to validate the sharding (it does so before calling the strategy)."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def save(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        bound.apply_defaults()
+        token = _SCOPE.set(SaveScope(validated=bool(bound.arguments["validate_access_integrity"])))
+        try:
+            return original(*args, **kwargs)
+        finally:
+            _SCOPE.reset(token)
+
+    return save
+
+
+def _save_signature_problems() -> list[str]:
+    from megatron.core.dist_checkpointing import serialization
+
+    if "validate_access_integrity" in inspect.signature(serialization.save).parameters:
+        return []
+    return [f"{_DC}.serialization.save has no parameter 'validate_access_integrity'"]
 
 
 def cache_attribute_problems(fresh: Any, switch: str, caches: dict[str, Any],
@@ -152,13 +220,26 @@ def _guarded_entry_points(prefix: str, target: str, switch: str, caches: dict[st
         Patch(name=f"{prefix}.{attr}", target=target, attr=attr,
               build=lambda original: guarded_save(original, caching, caches),
               reads=(f"{_STRATEGIES}.cached_metadata_filesystem_reader:"
-                     "CachedMetadataFileSystemReader",),
+                     "CachedMetadataFileSystemReader",
+                     f"{_DC}.validation:validate_sharding_integrity",
+                     f"{_DC}.validation:determine_global_metadata"),
               probes=(probe,), why=why)
         for attr in ("save", "async_save")
     )
 
 
-PATCHES: tuple[Patch, ...] = _guarded_entry_points(
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="structure.cached_save.scope",
+        target=f"{_DC}.serialization",
+        attr="save",
+        build=scoped_save,
+        aliases=(_DC,),
+        probes=(_save_signature_problems,),
+        why="a save records whether its caller validated the sharding, so a save that replans "
+            "validates it when the caller skipped it (Megatron-LM does under the flag)",
+    ),
+) + _guarded_entry_points(
     "structure.cached_save.plan",
     f"{_STRATEGIES}.torch:TorchDistSaveShardedStrategy",
     "use_cached_ckpt_structure",

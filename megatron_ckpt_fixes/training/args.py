@@ -1,41 +1,88 @@
-"""Command-line flags, named as in Megatron-LM so users' launch lines carry over."""
+"""Command-line flags, named as in Megatron-LM so users' launch lines carry over.
+
+Checkpoint flags keep Megatron-LM's names and defaults (``--no-ckpt-fully-parallel-save``:
+the fully-parallel save is on unless switched off; ``--async-strategy`` defaults to
+``nvrx`` where megatron-core has async strategies). A value no job can run with is refused
+here with one line (printed by rank 0 only: every rank parses the same command line).
+"""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 from collections.abc import Sequence
 from pathlib import Path
+from typing import NoReturn
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a bad flag is one line on rank 0 (the other ranks exit quietly)."""
+
+    def error(self, message: str) -> NoReturn:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr, flush=True)
+        sys.exit(2)
+
+
+def _positive(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {value}")
+    return value
+
+
+def _non_negative(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be zero or positive, got {value}")
+    return value
+
+
+_positive.__name__ = "positive integer"
+_non_negative.__name__ = "non-negative integer"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(description="Megatron-style training of a tiny GPTModel on "
-                                            "synthetic tokens (torchrun; gloo on CPU, NCCL on GPUs)")
+    p = _Parser(prog="train.py",
+                description="Megatron-style training of a tiny GPTModel on synthetic tokens "
+                            "(torchrun; gloo on CPU, NCCL on GPUs)")
     model = p.add_argument_group("model and data")
-    model.add_argument("--num-layers", type=int, default=2)
-    model.add_argument("--hidden-size", type=int, default=32)
-    model.add_argument("--num-attention-heads", type=int, default=4)
-    model.add_argument("--vocab-size", type=int, default=128)
-    model.add_argument("--seq-length", type=int, default=16)
-    model.add_argument("--global-batch-size", type=int, default=4)
+    model.add_argument("--num-layers", type=_positive, default=2)
+    model.add_argument("--hidden-size", type=_positive, default=32)
+    model.add_argument("--num-attention-heads", type=_positive, default=4)
+    model.add_argument("--vocab-size", type=_positive, default=128)
+    model.add_argument("--seq-length", type=_positive, default=16)
+    model.add_argument("--global-batch-size", type=_positive, default=4)
     model.add_argument("--lr", type=float, default=1e-3)
     model.add_argument("--clip-grad", type=float, default=0.0,
                        help="megatron-core's clip_grad_by_total_norm_fp32 asserts CUDA tensors: "
                             "keep 0 on CPU")
     model.add_argument("--seed", type=int, default=1234)
-    model.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    model.add_argument("--tensor-model-parallel-size", type=_positive, default=1)
 
     train = p.add_argument_group("training")
-    train.add_argument("--train-iters", type=int, required=True)
-    train.add_argument("--exit-interval", type=int, default=None,
+    train.add_argument("--train-iters", type=_positive, required=True)
+    train.add_argument("--exit-interval", type=_positive, default=None,
                        help="save (if --save) and exit 0 when the iteration is a multiple of it")
 
-    ckpt = p.add_argument_group("checkpointing")
+    ckpt = p.add_argument_group("checkpointing (Megatron-LM's flags and defaults)")
     ckpt.add_argument("--save", type=Path, default=None)
     ckpt.add_argument("--load", type=Path, default=None)
-    ckpt.add_argument("--save-interval", type=int, default=None)
+    ckpt.add_argument("--save-interval", type=_positive, default=None)
     ckpt.add_argument("--ckpt-format", choices=["torch_dist"], default="torch_dist")
     ckpt.add_argument("--ckpt-assume-constant-structure", action="store_true")
+    ckpt.add_argument("--no-ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save",
+                      action="store_false",
+                      help="save without FullyParallelSaveStrategyWrapper (on by default)")
+    ckpt.add_argument("--ckpt-fully-parallel-save", dest="ckpt_fully_parallel_save_deprecated",
+                      action="store_true", help="deprecated, no effect (as in Megatron-LM)")
+    ckpt.add_argument("--ckpt-fully-parallel-load", action="store_true",
+                      help="load with FullyParallelLoadStrategyWrapper (needs CUDA collectives)")
     ckpt.add_argument("--async-save", action="store_true")
+    ckpt.add_argument("--async-strategy", choices=["nvrx", "mcore"], default=None,
+                      help="asynchronous save implementation, where megatron-core has several "
+                           "(>= 0.17); default nvrx, as in Megatron-LM")
     ckpt.add_argument("--no-load-optim", action="store_true",
                       help="load model weights only (fresh optimizer state)")
     ckpt.add_argument("--no-load-rng", action="store_true",
@@ -44,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
     rerun = p.add_argument_group("rerun state machine")
     rerun.add_argument("--rerun-mode", default="disabled",
                        choices=["disabled", "validate_results", "report_determinism_stats"])
-    rerun.add_argument("--error-injection-rate", type=int, default=0)
+    rerun.add_argument("--error-injection-rate", type=_non_negative, default=0)
     rerun.add_argument("--error-injection-type", default="transient_error",
                        choices=["correct_result", "transient_error", "persistent_error"])
     rerun.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
@@ -52,18 +99,42 @@ def build_parser() -> argparse.ArgumentParser:
     rerun.add_argument("--check-for-spiky-loss", action="store_true")
     rerun.add_argument("--result-rejected-tracker-filename", default=None)
 
-    dev = p.add_argument_group("testing (not Megatron-LM flags)")
-    dev.add_argument("--log-file", type=Path, default=None,
+    own = p.add_argument_group("not Megatron-LM flags")
+    own.add_argument("--freeze-embedding-until", type=_non_negative, default=None,
+                     metavar="ITERATION",
+                     help="the embedding gets no updates up to this iteration and trains after "
+                          "it: its Adam state appears mid-run (gradual unfreezing)")
+    own.add_argument("--log-file", type=Path, default=None,
                      help="rank 0 appends one JSON line per completed step (loss as float.hex)")
-    dev.add_argument("--dump-state", type=Path, default=None,
-                     help="rank 0 writes the full (TP-gathered) weights and optimizer state "
-                          "when the run ends normally")
-    dev.add_argument("--upstream-only", action="store_true", help=argparse.SUPPRESS)
+    own.add_argument("--verbose", action="store_true",
+                     help="print the traceback of an error, not only its one-line cause")
+    own.add_argument("--upstream-only", action="store_true", help=argparse.SUPPRESS)
     return p
 
 
+def layout_problem(args: argparse.Namespace, world_size: int) -> str | None:
+    """Why the parallel layout cannot be built on ``world_size`` ranks, or None."""
+    tp = args.tensor_model_parallel_size
+    if world_size % tp:
+        return f"--tensor-model-parallel-size {tp} does not divide the world size {world_size}"
+    if args.num_attention_heads % tp:
+        return (f"--num-attention-heads {args.num_attention_heads} is not divisible by "
+                f"--tensor-model-parallel-size {tp}")
+    dp = world_size // tp
+    if args.global_batch_size % dp:
+        return (f"--global-batch-size {args.global_batch_size} is not divisible by the "
+                f"data-parallel size {dp} (world size {world_size} / TP {tp})")
+    return None
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
-    args = build_parser().parse_args(argv)
+    """Parse and check the flags against the launcher's ``WORLD_SIZE``; a problem exits 2
+    with one line, before megatron-core is imported."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
     if args.async_save and args.save is None:
-        raise SystemExit("--async-save needs --save")
+        parser.error("--async-save needs --save")
+    problem = layout_problem(args, int(os.environ.get("WORLD_SIZE", "1")))
+    if problem:
+        parser.error(problem)
     return args

@@ -1,10 +1,8 @@
 """Save and load everything a bitwise resume needs, through megatron-core's dist_checkpointing.
 
-One :class:`Checkpointer` per job, like Megatron-LM's ``save_checkpoint``/``load_checkpoint``:
+One :class:`Checkpointer` per job, following Megatron-LM's ``save_checkpoint`` /
+``load_checkpoint`` (the strategies and what is kept between calls: :mod:`.strategies`):
 
-- the save strategy is built once and kept across saves, so
-  ``--ckpt-assume-constant-structure`` (``TorchDistSaveShardedStrategy(cached_metadata=True)``)
-  really reuses its cached plans from the third save on, as in Megatron-LM;
 - a checkpoint holds the sharded model and optimizer state, each rank's RNG states, the
   iteration, the data position and the rerun state machine's state (``state_dict`` /
   ``load_state_dict`` of the machine, the key present only when the machine emits it, as in
@@ -12,37 +10,50 @@ One :class:`Checkpointer` per job, like Megatron-LM's ``save_checkpoint``/``load
 - a save is committed only when every rank has finalized it: the commit step is itself a
   collective, and only then does rank 0 publish the directory and the tracker
   (:mod:`.layout`). With ``--async-save`` the same commit runs as the last finalize function
-  of megatron-core's ``AsyncCallsQueue``.
+  of megatron-core's ``AsyncCallsQueue``;
+- every step a single rank can fail in (its own I/O, building its state dict, reading the
+  checkpoint, restoring what was loaded) is agreed before the next collective
+  (:mod:`megatron_ckpt_fixes.agreement`), so a failure on one rank is the same
+  :class:`~.errors.CheckpointSaveError` / :class:`~.errors.CheckpointReadError` on every
+  rank instead of a hang. A write that fails in megatron-core's writers is reported by
+  upstream on the coordinator only (the other ranks get an empty ``CheckpointException``);
+  the causes are agreed so that every rank names them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import logging
-import os
 import shutil
-import signal
-from dataclasses import dataclass
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
-from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue, AsyncRequest
-from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.rerun_state_machine import RerunStateMachine
+from torch.distributed.checkpoint import CheckpointException
 
-from ..agreement import check
+from ..agreement import RaiseAs, check, rank_and_size
 from . import layout, rng
+from .errors import CheckpointReadError, CheckpointSaveError, describe
+from .freeze import EmbeddingFreeze
+from .strategies import (
+    CheckpointingContext,
+    StrategyOptions,
+    async_calls_queue,
+    check_fully_parallel_load,
+    load_strategy,
+    resolve_async_strategy,
+    save_strategy,
+)
 
 logger = logging.getLogger(__name__)
 
 RERUN_KEY = "rerun_state_machine"
-
-#: Dev/test only: the iteration whose save rank 1 dies in (SIGKILL), after writing its shards
-#: and before the save is finalized.
-KILL_DURING_SAVE_ENV = "MCF_TEST_KILL_DURING_SAVE_ITER"
 
 
 @dataclass
@@ -58,9 +69,7 @@ class TrainState:
 class CheckpointOptions:
     save: Path | None
     load: Path | None
-    ckpt_format: str = "torch_dist"
-    assume_constant_structure: bool = False
-    async_save: bool = False
+    strategy: StrategyOptions = field(default_factory=StrategyOptions)
     load_optim: bool = True
     load_rng: bool = True
 
@@ -76,22 +85,60 @@ def _sharded_parts(model: Any, optimizer: MegatronOptimizer, *, optim: bool, rng
     return parts
 
 
-def _sigkill_self() -> None:
-    logger.warning("%s: rank %d kills itself mid-save", KILL_DURING_SAVE_ENV, dist.get_rank())
-    os.kill(os.getpid(), signal.SIGKILL)
+T = TypeVar("T")
+
+
+def agreed(compute: Callable[[], T], what: str, raise_as: RaiseAs) -> T:
+    """Run a rank-local step; if it fails on any rank, every rank raises the same error.
+
+    Like :func:`megatron_ckpt_fixes.agreement.run`, but torch DCP's ``CheckpointException``
+    and this package's errors (``BaseException`` subclasses, not ``Exception``) are agreed
+    too, each described by its causes rather than by its per-rank tracebacks.
+    """
+    result: Any = None
+    error: str | None = None
+    try:
+        result = compute()
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - raised on every rank by check()
+        error = describe(exc)
+    check(error, what, raise_as=raise_as)
+    return result
+
+
+def _write_failure(what: str, reports: dict[int, dict[int, str]]) -> CheckpointSaveError:
+    """One error from what each rank knows of a failed write: megatron-core gives the
+    coordinator every failing rank's cause and the other ranks none."""
+    causes: dict[int, str] = {}
+    for report in reports.values():
+        causes.update(report)
+    return CheckpointSaveError(what, causes or {r: "write failed (no cause reported)"
+                                                for r in reports})
+
+
+def _prepare_staging(staging: Path) -> None:
+    """Rank 0 empties the save's staging directory (a leftover of a killed save of this
+    iteration is incomplete by construction)."""
+    if rank_and_size()[0] != 0:
+        return
+    if staging.exists():
+        shutil.rmtree(staging)
+    staging.mkdir(parents=True)
 
 
 class Checkpointer:
     """Megatron-style ``save``/``load`` of one training job."""
 
-    def __init__(self, options: CheckpointOptions) -> None:
-        if options.ckpt_format != "torch_dist":
-            raise ValueError(f"--ckpt-format {options.ckpt_format} is not supported; "
-                             "use torch_dist")
+    def __init__(self, options: CheckpointOptions, freeze: EmbeddingFreeze | None = None) -> None:
+        check_fully_parallel_load(options.strategy)
         self.options = options
-        self.save_strategy = TorchDistSaveShardedStrategy(
-            "torch_dist", 1, cached_metadata=options.assume_constant_structure)
-        self.async_queue = AsyncCallsQueue() if options.async_save else None
+        self.freeze = freeze
+        self.context = CheckpointingContext()
+        self.async_strategy = resolve_async_strategy(options.strategy)
+        self.async_queue = (async_calls_queue(self.async_strategy)
+                            if options.strategy.async_save else None)
+        self._in_flight: str | None = None
 
     # -- save ---------------------------------------------------------------------------
 
@@ -101,14 +148,23 @@ class Checkpointer:
         root = self.options.save
         assert root is not None, "save() needs --save"
         self.finalize(blocking=True)  # one save in flight at a time
-        staging = layout.staging_dir(root, state.iteration)
-        if dist.get_rank() == 0:
-            # A leftover of a killed save of this iteration is incomplete by construction.
-            if staging.exists():
-                shutil.rmtree(staging)
-            staging.mkdir(parents=True)
-        dist.barrier()
+        iteration = state.iteration
+        staging = layout.staging_dir(root, iteration)
+        what = f"saving iteration {iteration} to {staging}"
+        agreed(functools.partial(_prepare_staging, staging), what, CheckpointSaveError)
+        sharded = agreed(lambda: self._state_to_save(state, model, optimizer, machine,
+                                                     data_iterator),
+                         what, CheckpointSaveError)
+        strategy, validate = save_strategy(self.options.strategy, self.context)
+        kwargs = {} if self.async_strategy is None else {"async_strategy": self.async_strategy}
+        request = dist_checkpointing.save(sharded, str(staging), strategy,
+                                          validate_access_integrity=validate,
+                                          async_sharded_save=True, **kwargs)
+        request.add_finalize_fn(functools.partial(self._commit, root, iteration))
+        self._execute(request, what)
 
+    def _state_to_save(self, state: TrainState, model: Any, optimizer: MegatronOptimizer,
+                       machine: RerunStateMachine, data_iterator: Any) -> dict[str, Any]:
         sharded = _sharded_parts(model, optimizer, optim=True, rng_state=True, is_loading=False)
         sharded.update(
             iteration=state.iteration,
@@ -116,44 +172,47 @@ class Checkpointer:
             world_size=dist.get_world_size(),
             tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         )
-        rerun_state = machine.state_dict(data_iterator, self.options.ckpt_format)
+        rerun_state = machine.state_dict(data_iterator, self.options.strategy.ckpt_format)
         if rerun_state is not None:
             sharded[RERUN_KEY] = rerun_state
+        return sharded
 
-        request = dist_checkpointing.save(sharded, str(staging), self.save_strategy,
-                                          async_sharded_save=True)
-        self._maybe_arm_kill(request, state.iteration)
-        request.add_finalize_fn(functools.partial(self._commit, root, state.iteration))
+    def _execute(self, request: Any, what: str) -> None:
+        """Run a save request (sync) or hand it to the async queue."""
         if self.async_queue is not None:
             self.async_queue.schedule_async_request(request)
-        else:
+            self._in_flight = what
+            return
+        with agreed_write_failure(what):
             request.execute_sync()
-
-    @staticmethod
-    def _maybe_arm_kill(request: AsyncRequest, iteration: int) -> None:
-        target = os.environ.get(KILL_DURING_SAVE_ENV)
-        if target is not None and int(target) == iteration and dist.get_rank() == 1:
-            # Runs after this rank's shards are written, before the metadata is finalized.
-            request.finalize_fns.insert(0, _sigkill_self)
 
     @staticmethod
     def _commit(root: Path, iteration: int) -> None:
         # Every rank reaching this point has finalized its part; the collective proves that
         # all of them did before the tracker may name the checkpoint.
-        check(None, f"checkpoint save of iteration {iteration}")
+        check(None, f"finalizing the checkpoint of iteration {iteration}",
+              raise_as=CheckpointSaveError)
+        error = None
         if dist.get_rank() == 0:
-            final = layout.publish(root, iteration)
-            logger.info("saved checkpoint %s", final)
-        dist.barrier()
+            try:
+                logger.info("saved checkpoint %s", layout.publish(root, iteration))
+            except OSError as exc:
+                error = describe(exc)
+        check(error, f"publishing the checkpoint of iteration {iteration} in {root}",
+              raise_as=CheckpointSaveError)
 
     def finalize(self, blocking: bool = False) -> None:
         """Finish async saves that are done (all of them when ``blocking``)."""
-        if self.async_queue is not None:
+        if self.async_queue is None or self._in_flight is None:
+            return
+        with agreed_write_failure(self._in_flight):
             self.async_queue.maybe_finalize_async_calls(blocking=blocking)
+        if not self.async_queue.get_num_unfinalized_calls():
+            self._in_flight = None
 
     def close(self) -> None:
         if self.async_queue is not None:
-            self.async_queue.maybe_finalize_async_calls(blocking=True)
+            self.finalize(blocking=True)
             self.async_queue.close()
 
     # -- load ---------------------------------------------------------------------------
@@ -163,33 +222,46 @@ class Checkpointer:
         """Load the checkpoint the tracker names; None when there is none yet."""
         root = self.options.load
         assert root is not None, "load() needs --load"
-        iteration = layout.read_tracker(root)
-        if iteration is None:
+        what = f"reading the checkpoint to resume from in {root}"
+        found = agreed(functools.partial(_locate, root), what, CheckpointReadError)
+        if found is None:
             logger.info("no checkpoint in %s: starting from scratch", root)
             return None
-        ckpt = str(layout.checkpoint_dir(root, iteration))
-        common = dist_checkpointing.load_common_state_dict(ckpt)
-        saved_world = common["world_size"]
-        if self.options.load_rng and saved_world != dist.get_world_size():
-            raise RuntimeError(
-                f"{ckpt} holds per-rank RNG states of {saved_world} ranks, this job has "
-                f"{dist.get_world_size()}; resume with --no-load-rng to start fresh RNG streams")
+        ckpt, common = found
+        what = f"loading {ckpt}"
+        template = agreed(lambda: self._load_template(ckpt, common, model, optimizer, machine),
+                          what, CheckpointReadError)
+        loaded = dist_checkpointing.load(template, ckpt,
+                                         load_strategy(self.options.strategy, self.context, ckpt))
+        return agreed(lambda: self._restore(loaded, ckpt, model, optimizer, machine), what,
+                      CheckpointReadError)
 
+    def _load_template(self, ckpt: str, common: dict[str, Any], model: Any,
+                       optimizer: MegatronOptimizer, machine: RerunStateMachine) -> dict:
+        saved_world, world = common["world_size"], dist.get_world_size()
+        if self.options.load_rng and saved_world != world:
+            raise ValueError(
+                f"{ckpt} holds per-rank RNG states of {saved_world} ranks, this job has "
+                f"{world}; resume with --no-load-rng to start fresh RNG streams")
         template = _sharded_parts(model, optimizer, optim=self.options.load_optim,
                                   rng_state=self.options.load_rng, is_loading=True)
+        if self.freeze is not None and self.options.load_optim:
+            self.freeze.prune_load_template(template["optimizer"], common["iteration"])
         saved_rerun = common.get(RERUN_KEY)
         if saved_rerun is not None:
             # The machine's state is per rank, like the RNG states: it loads only onto the same
             # number of ranks. An idle state has nothing to restore; a pending fault cannot move.
-            if saved_world == dist.get_world_size():
-                template[RERUN_KEY] = machine.state_dict(None, self.options.ckpt_format,
+            if saved_world == world:
+                template[RERUN_KEY] = machine.state_dict(None, self.options.strategy.ckpt_format,
                                                          force=True)
             elif machine.validate_state_dict(saved_rerun):
-                raise RuntimeError(
+                raise ValueError(
                     f"{ckpt} is a fault checkpoint of {saved_world} ranks (rerun state "
                     f"{saved_rerun['state'].name}); only {saved_world} ranks can rerun its step")
-        loaded = dist_checkpointing.load(template, ckpt)
+        return template
 
+    def _restore(self, loaded: dict[str, Any], ckpt: str, model: Any,
+                 optimizer: MegatronOptimizer, machine: RerunStateMachine) -> TrainState:
         model.load_state_dict(loaded["model"])
         if self.options.load_optim:
             optimizer.load_state_dict(loaded["optimizer"])
@@ -201,3 +273,25 @@ class Checkpointer:
             logger.info("loaded %s (iteration %d, saved with TP=%d)", ckpt,
                         loaded["iteration"], loaded["tensor_model_parallel_size"])
         return TrainState(loaded["iteration"], loaded["consumed_batches"])
+
+
+def _locate(root: Path) -> tuple[str, dict[str, Any]] | None:
+    """The checkpoint the tracker names and its common state; None without a tracker."""
+    iteration = layout.read_tracker(root)
+    if iteration is None:
+        return None
+    ckpt = str(layout.checkpoint_dir(root, iteration))
+    return ckpt, dist_checkpointing.load_common_state_dict(ckpt)
+
+
+@contextlib.contextmanager
+def agreed_write_failure(what: str) -> Iterator[None]:
+    """Turn megatron-core's failed write (a ``CheckpointException`` raised on every rank after
+    its finalize broadcast, with the causes on the coordinator only) into one
+    :class:`~.errors.CheckpointSaveError` naming every cause, on every rank."""
+    try:
+        yield
+    except CheckpointException as exc:
+        report = {rank: describe(error) for rank, (error, _trace) in exc.failures.items()}
+        check(report, what, raise_as=_write_failure)
+        raise  # not reached: check() raised on every rank

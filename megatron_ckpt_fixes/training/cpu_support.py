@@ -1,12 +1,11 @@
 """What the example training loop needs to run megatron-core's GPTModel and optimizer on gloo.
 
 Not a checkpoint fix, so an optional ``install()`` feature
-(``install(["training.cpu_support"])``):
-these are the CUDA hard-codings on the
-*training* path (``GlobalMemoryBuffer`` allocates attention scratch on
-the current CUDA device, the tensor-parallel RNG tracker seeds, saves and restores the
-CUDA generator around every attention dropout, ``FP32Optimizer`` puts its loss scale and the
-grad-norm computation its buffers on a hard-coded CUDA device). Each module gets a backend-aware ``torch`` (see
+(``install(["training.cpu_support"])``): these are the CUDA hard-codings on the *training*
+path (``GlobalMemoryBuffer`` allocates attention scratch on the current CUDA device, the
+tensor-parallel RNG tracker seeds, saves and restores the CUDA generator around every
+attention dropout, ``FP32Optimizer`` puts its loss scale and the grad-norm computation its
+buffers on a hard-coded CUDA device). Each module gets a backend-aware ``torch`` (see
 :mod:`megatron_ckpt_fixes.compat.device`); with NCCL on GPUs nothing changes.
 """
 

@@ -8,6 +8,12 @@ state from *before* the suspicious step, which the relaunched job reruns.
 
 Between steps: save every ``--save-interval`` iterations, save and exit 0 at
 ``--exit-interval``, save at the end. Exit code 0 is a normal end.
+
+A job that cannot go on (an unreadable checkpoint, a failed save, flags it cannot run with)
+ends with exit code 1 and one line per cause: an error every rank raised identically (agreed
+by the package) is printed once for the job, by rank 0; any other error by each rank that
+raised it. The traceback is printed only with ``--verbose`` (or logging at DEBUG). Bad
+flags end earlier, in :mod:`.args` (exit code 2).
 """
 
 from __future__ import annotations
@@ -16,7 +22,8 @@ import datetime
 import json
 import logging
 import os
-from collections.abc import Sequence
+import sys
+import traceback
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,14 +31,21 @@ import torch
 import torch.distributed as dist
 from megatron.core import parallel_state
 from megatron.core.rerun_state_machine import RerunDataIterator, RerunStateMachine
+from torch.distributed.checkpoint import CheckpointException
 
 import megatron_ckpt_fixes
 
+from ..agreement import AgreementError
 from ..compat.device import backend_uses_cuda
-from . import rerun, rng, snapshot
+from ..errors import MegatronCkptFixesError, UnsupportedVersionError
+from ..load_errors import CheckpointLoadError
+from ..structure.integrity import ShardingValidationError
+from . import rerun, rng
 from .args import parse_args
 from .checkpointing import Checkpointer, CheckpointOptions, TrainState
 from .data import SyntheticTokens
+from .errors import ConfigError, describe
+from .freeze import EmbeddingFreeze
 from .model import (
     ModelShape,
     allreduce_data_parallel_grads,
@@ -40,6 +54,7 @@ from .model import (
     data_parallel_mean,
     forward_loss,
 )
+from .strategies import StrategyOptions
 
 logger = logging.getLogger(__name__)
 
@@ -58,6 +73,7 @@ class Job:
     checkpointer: Checkpointer
     state: TrainState
     data: RerunDataIterator
+    freeze: EmbeddingFreeze | None = None
 
 
 def init_distributed() -> None:
@@ -69,13 +85,28 @@ def init_distributed() -> None:
     dist.init_process_group(backend, timeout=datetime.timedelta(seconds=120))
 
 
+def checkpoint_options(args: Any) -> CheckpointOptions:
+    return CheckpointOptions(
+        save=args.save, load=args.load, load_optim=not args.no_load_optim,
+        load_rng=not args.no_load_rng,
+        strategy=StrategyOptions(
+            ckpt_format=args.ckpt_format,
+            assume_constant_structure=args.ckpt_assume_constant_structure,
+            fully_parallel_save=args.ckpt_fully_parallel_save,
+            fully_parallel_load=args.ckpt_fully_parallel_load,
+            async_save=args.async_save, async_strategy=args.async_strategy))
+
+
 def setup(args: Any) -> Job:
     megatron_ckpt_fixes.install(UPSTREAM_FEATURES if args.upstream_only else None)
     if not backend_uses_cuda():
         if args.clip_grad > 0:
-            raise SystemExit("--clip-grad > 0 needs CUDA: megatron-core's "
-                             "clip_grad_by_total_norm_fp32 asserts CUDA tensors")
+            raise ConfigError("--clip-grad > 0 needs CUDA: megatron-core's "
+                              "clip_grad_by_total_norm_fp32 asserts CUDA tensors")
         megatron_ckpt_fixes.install(["training.cpu_support"])
+    if args.ckpt_fully_parallel_save_deprecated and dist.get_rank() == 0:
+        print("--ckpt-fully-parallel-save flag is deprecated and has no effect. Use "
+              "--no-ckpt-fully-parallel-save to disable parallel save.", flush=True)
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size)
     rng.seed_all(args.seed)
@@ -83,13 +114,11 @@ def setup(args: Any) -> Job:
                        args.vocab_size, args.seq_length)
     model = build_model(shape, args.tensor_model_parallel_size)
     optimizer = build_optimizer(model, args.lr, args.clip_grad)
+    freeze = (None if args.freeze_embedding_until is None
+              else EmbeddingFreeze.of(model, args.freeze_embedding_until))
     machine = rerun.init_machine(args.rerun_mode, args.error_injection_rate,
                                  args.error_injection_type, args.result_rejected_tracker_filename)
-    checkpointer = Checkpointer(CheckpointOptions(
-        save=args.save, load=args.load, ckpt_format=args.ckpt_format,
-        assume_constant_structure=args.ckpt_assume_constant_structure,
-        async_save=args.async_save, load_optim=not args.no_load_optim,
-        load_rng=not args.no_load_rng))
+    checkpointer = Checkpointer(checkpoint_options(args), freeze)
     state = (checkpointer.load(model, optimizer, machine) if args.load else None) or TrainState()
     data = RerunDataIterator(SyntheticTokens(
         seed=args.seed, vocab_size=args.vocab_size, seq_length=args.seq_length,
@@ -97,12 +126,14 @@ def setup(args: Any) -> Job:
         dp_rank=parallel_state.get_data_parallel_rank(),
         dp_size=parallel_state.get_data_parallel_world_size(),
         position=state.consumed_batches))
-    return Job(args, model, optimizer, machine, checkpointer, state, data)
+    return Job(args, model, optimizer, machine, checkpointer, state, data, freeze)
 
 
 def train_step(job: Job) -> tuple[float | None, int | None]:
     """One step. Returns (reported loss, exit code or None to go on)."""
     args, machine = job.args, job.machine
+    if job.freeze is not None:
+        job.freeze.before_step(job.state.iteration + 1, job.optimizer)
     loss = None
     while machine.should_run_forward_backward(job.data):
         job.optimizer.zero_grad()
@@ -160,7 +191,8 @@ def train(job: Job) -> int:
             return exit_code
         state.iteration += 1
         state.consumed_batches += 1
-        if args.save is not None and args.save_interval and state.iteration % args.save_interval == 0:
+        if args.save is not None and args.save_interval \
+                and state.iteration % args.save_interval == 0:
             saved_at = _save(job)
         if args.exit_interval and state.iteration % args.exit_interval == 0:
             if args.save is not None and saved_at != state.iteration:
@@ -173,25 +205,61 @@ def train(job: Job) -> int:
     return 0
 
 
-def _dump(job: Job) -> None:
-    full = snapshot.full_state(job.model, job.optimizer)
-    if dist.get_rank() == 0:
-        torch.save({"iteration": job.state.iteration, "tensors": full}, job.args.dump_state)
+#: Errors every rank raises identically (agreed, or decided from the same inputs): the job
+#: prints them once. Any other error is printed by each rank that raised it.
+SAME_ON_EVERY_RANK: tuple[type[BaseException], ...] = (
+    AgreementError, CheckpointLoadError, ShardingValidationError, ConfigError,
+    UnsupportedVersionError)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = parse_args(argv)
-    logging.basicConfig(level=logging.WARNING,
-                        format=f"[rank{os.environ.get('RANK', '?')}] %(levelname)s %(name)s: "
-                               "%(message)s")
+def report_error(exc: BaseException, verbose: bool) -> None:
+    """Print why the job stops, one line per cause; the traceback only when asked for."""
+    rank = os.environ.get("RANK", "0")
+    if verbose or logging.getLogger().isEnabledFor(logging.DEBUG):
+        traceback.print_exception(exc)
+    if isinstance(exc, SAME_ON_EVERY_RANK):
+        if rank == "0":
+            print(f"train.py: error: {describe(exc)}", file=sys.stderr, flush=True)
+    else:
+        print(f"train.py: error on rank {rank}: {describe(exc)}", file=sys.stderr, flush=True)
+
+
+def run_job(job: Job) -> int:
+    code = train(job)
+    job.checkpointer.close()
+    return code
+
+
+class _OneLineFormatter(logging.Formatter):
+    """Log records without the tracebacks libraries attach to handled errors (torch DCP
+    logs one per rank when a checkpoint lacks its ``.metadata``); ``--verbose`` keeps them."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        plain = logging.makeLogRecord({**record.__dict__, "exc_info": None, "exc_text": None,
+                                       "stack_info": None})
+        return super().format(plain)
+
+
+def configure_logging(verbose: bool) -> None:
+    handler = logging.StreamHandler()
+    fmt = f"[rank{os.environ.get('RANK', '?')}] %(levelname)s %(name)s: %(message)s"
+    handler.setFormatter(logging.Formatter(fmt) if verbose else _OneLineFormatter(fmt))
+    logging.basicConfig(level=logging.WARNING, handlers=[handler])
     logging.getLogger("megatron_ckpt_fixes.training").setLevel(logging.INFO)
+
+
+def main(args: Any = None) -> int:
+    """Run one launch of the job; ``args`` parsed already, or None to parse ``sys.argv``.
+
+    A job that cannot go on returns 1 after printing why (:func:`report_error`).
+    """
+    args = parse_args() if args is None else args
+    configure_logging(args.verbose)
     init_distributed()
     try:
-        job = setup(args)
-        code = train(job)
-        job.checkpointer.close()
-        if code == 0 and args.dump_state is not None:
-            _dump(job)
-        return code
+        return run_job(setup(args))
+    except (Exception, MegatronCkptFixesError, CheckpointException) as exc:
+        report_error(exc, args.verbose)
+        return 1
     finally:
         dist.destroy_process_group()

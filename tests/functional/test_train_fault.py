@@ -10,7 +10,9 @@ bitwise, and a relaunch that carries on from the fault checkpoint (rerun state m
 ends exactly where the uninterrupted run ends.
 
 The twin runs the same job on plain upstream (``--upstream-only``: only the CPU/gloo support)
-and shows the failure this project fixes: the fault checkpoint does not load.
+and asserts what the installed megatron-core really does, detected from its behaviour: before
+0.18 the fault checkpoint does not load (the failure this project fixes); from 0.18 on
+upstream emits the rerun state machine's sentinel itself and the fault checkpoint loads.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from training_runs import (
     run_job,
 )
 
+from megatron_ckpt_fixes.rerun.sentinel import upstream_emits_sentinel
 from megatron_ckpt_fixes.training import layout
 
 FAULT_STEP = 5  # first injection with COMMON's seed; saves at iterations 1..4 came before
@@ -55,19 +58,24 @@ def test_fault_checkpoint_resume_rerun_and_continue(tmp_path, tmp_path_factory):
 
     # Carry on from the fault checkpoint: nothing is lost, the run ends as the reference does.
     dump = tmp_path / "final.pt"
-    carry = run_job(tmp_path, [*_fault_job_args(ckpt), "--rerun-mode", "disabled",
-                               "--dump-state", str(dump)], name="carry-on")
+    carry = run_job(tmp_path, [*_fault_job_args(ckpt), "--rerun-mode", "disabled"],
+                    name="carry-on", dump=dump)
     assert carry.exit_codes == [0], carry.output[-8000:]
     assert carry.losses() == {i: ref_losses[i] for i in range(FAULT_STEP, 9)}
     assert_same_tensors(load_dump(dump), ref_state)
 
 
-def test_upstream_fault_checkpoint_does_not_load(tmp_path):
+def test_upstream_fault_checkpoint(tmp_path):
     ckpt = tmp_path / "ckpt"
     job = run_job(tmp_path, [*_fault_job_args(ckpt), "--upstream-only"], max_restarts=2,
                   name="upstream")
 
     assert job.exit_codes[0] == 16, job.output[-8000:]
+    if upstream_emits_sentinel() is not None:
+        # megatron-core >= 0.18: the structure stays constant, the relaunch reruns and judges.
+        assert job.exit_codes == [16, 17], job.output[-8000:]
+        assert any(r["rerun_state"] == "RERUNNING_FROM_CHECKPOINT" for r in job.log)
+        return
     assert len(job.exit_codes) == 2 and job.exit_codes[1] not in (0, 16, 17), job.output[-8000:]
     assert "Missing key in checkpoint state_dict: rerun_state_machine_state/shard_" in job.output
     # The relaunch never got to rerun the step.
@@ -84,4 +92,5 @@ def test_relaunch_on_the_same_device_is_asked_to_restart_again(tmp_path):
     assert "Got rescheduled on the same GPU" in job.output
     outcomes = [(r["rerun_state"], r["exit_code"]) for r in job.log if r["exit_code"] is not None]
     assert outcomes == [("WILL_RERUN_FROM_CHECKPOINT", 16), ("RERUNNING_AGAIN_FROM_CHECKPOINT", 16)]
-    assert layout.read_tracker(ckpt) == FAULT_STEP - 1  # the fault checkpoint stays for the next try
+    # The fault checkpoint stays for the next try.
+    assert layout.read_tracker(ckpt) == FAULT_STEP - 1

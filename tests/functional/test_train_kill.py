@@ -1,6 +1,7 @@
 """6c: a rank SIGKILLed mid-save; the relaunch resumes from the previous complete checkpoint.
 
-Rank 1 kills itself (``MCF_TEST_KILL_DURING_SAVE_ITER``) after writing its shards of the
+Rank 1 kills itself (``MCF_TEST_KILL_DURING_SAVE_ITER``, a test hook from ``rank_env/``)
+after writing its shards of the
 iteration-4 checkpoint and before the save is finalized. The tracker must still name
 iteration 2, and the relaunch must continue from there to the same losses and final state as
 the uninterrupted run.
@@ -10,10 +11,16 @@ from __future__ import annotations
 
 import signal
 
-from training_runs import COMMON, assert_same_tensors, load_dump, reference, run_job
+from training_runs import (
+    COMMON,
+    KILL_DURING_SAVE_ENV,
+    assert_same_tensors,
+    load_dump,
+    reference,
+    run_job,
+)
 
 from megatron_ckpt_fixes.training import layout
-from megatron_ckpt_fixes.training.checkpointing import KILL_DURING_SAVE_ENV
 
 
 def test_killed_save_leaves_previous_checkpoint(tmp_path, tmp_path_factory):
@@ -31,7 +38,7 @@ def test_killed_save_leaves_previous_checkpoint(tmp_path, tmp_path_factory):
     assert not layout.iteration_dir(ckpt, 4).exists()
     assert layout.staging_dir(ckpt, 4).is_dir()  # the unfinished save, never named
 
-    resumed = run_job(tmp_path, [*args, "--dump-state", str(dump)], name="resumed")
+    resumed = run_job(tmp_path, args, name="resumed", dump=dump)
     assert resumed.exit_codes == [0], resumed.output[-6000:]
     assert "starting at iteration 2" in resumed.output
     assert resumed.losses() == {i: ref_losses[i] for i in range(3, 9)}

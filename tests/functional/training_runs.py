@@ -2,7 +2,8 @@
 
 Every job runs as real processes on gloo, the way a scheduler starts them, so exit codes,
 relaunches and killed ranks are the real thing. One uninterrupted reference run per test
-session is shared by the tests that compare against it.
+session is shared by the tests that compare against it. Test-only behaviour (dumping the
+final state, killing a rank mid-save) is patched into the ranks from ``rank_env/``.
 """
 
 from __future__ import annotations
@@ -18,6 +19,9 @@ import torch
 
 REPO = Path(__file__).resolve().parents[2]
 RUNNER = REPO / "scripts" / "run_with_restarts.py"
+RANK_ENV = Path(__file__).resolve().parent / "rank_env"
+DUMP_STATE_ENV = "MCF_TEST_DUMP_STATE"
+KILL_DURING_SAVE_ENV = "MCF_TEST_KILL_DURING_SAVE_ITER"
 
 #: Bound per job (all its attempts); a hang fails the test instead of blocking CI.
 JOB_TIMEOUT_S = 240
@@ -46,19 +50,28 @@ class Job:
 
 def run_job(workdir: Path, train_args: list[str], *, max_restarts: int = 0,
             env: dict[str, str] | None = None, name: str = "job",
-            runner_args: tuple[str, ...] = (), nproc: int = 2) -> Job:
-    """Run one job (relaunched on exit 16 up to ``max_restarts``) and collect its traces."""
+            runner_args: tuple[str, ...] = (), nproc: int = 2, dump: Path | None = None,
+            wrap: tuple[str, ...] = ()) -> Job:
+    """Run one job (relaunched on exit 16 up to ``max_restarts``) and collect its traces.
+
+    ``dump``: where rank 0 writes the final full state when the job ends normally.
+    ``wrap``: a command prefix for the runner (e.g. a mount namespace).
+    """
     workdir.mkdir(parents=True, exist_ok=True)
     report, log = workdir / f"{name}.attempts.json", workdir / f"{name}.log.jsonl"
     report.unlink(missing_ok=True)
     log.unlink(missing_ok=True)
-    cmd = [sys.executable, str(RUNNER), "--nproc-per-node", str(nproc),
+    cmd = [*wrap, sys.executable, str(RUNNER), "--nproc-per-node", str(nproc),
            "--max-restarts", str(max_restarts), "--report", str(report), *runner_args, "--",
            *train_args, "--log-file", str(log)]
     output = workdir / f"{name}.out"
+    path = os.pathsep.join(filter(None, [str(RANK_ENV), os.environ.get("PYTHONPATH")]))
+    job_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})}
+    if dump is not None:
+        job_env[DUMP_STATE_ENV] = str(dump)
     with open(output, "w") as out:
-        subprocess.run(cmd, cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
-                       stdout=out, stderr=subprocess.STDOUT, timeout=JOB_TIMEOUT_S)
+        subprocess.run(cmd, cwd=REPO, env=job_env, stdout=out, stderr=subprocess.STDOUT,
+                       timeout=JOB_TIMEOUT_S)
     text = output.read_text()
     records = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     assert report.exists(), f"runner wrote no report:\n{text[-6000:]}"
@@ -90,9 +103,8 @@ def reference(tmp_path_factory) -> tuple[dict[int, str], dict[str, torch.Tensor]
     done = root / "losses.json"
     if not done.exists():
         job = run_job(root, [*COMMON, "--tensor-model-parallel-size", "2",
-                             "--rerun-mode", "validate_results", "--dump-state", str(dump),
-                             "--save", str(root / "ckpt")],
-                      name="reference")
+                             "--rerun-mode", "validate_results", "--save", str(root / "ckpt")],
+                      name="reference", dump=dump)
         assert job.exit_codes == [0], job.output[-6000:]
         done.write_text(json.dumps(job.losses()))
     losses = {int(k): v for k, v in json.loads(done.read_text()).items()}
