@@ -103,15 +103,43 @@ def check(error: Any | None, what: str, group: Any = None,
     agree(False, error, what, group, raise_as)
 
 
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
+
+
+def describe_error(exc: BaseException) -> str:
+    """An error as its causes, one line each, for a report to the other ranks: the package's
+    errors are written that way already; torch DCP's ``CheckpointException`` carries one
+    failure (with its traceback) per rank."""
+    if isinstance(exc, MegatronCkptFixesError):
+        return str(exc).strip()
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and len(failures) == 1:
+        # A rank-local failure (megatron-core >= 0.19 plans loads per rank and keys its own
+        # failure as rank 0): the agreement says which rank it was.
+        return _first_line(next(iter(failures.values()))[0])
+    if isinstance(failures, dict) and failures:
+        return "; ".join(f"rank {rank}: {_first_line(error)}"
+                         for rank, (error, _trace) in sorted(failures.items()))
+    return _first_line(exc)
+
+
 def run(compute: Callable[[], T], what: str, group: Any = None,
         raise_as: RaiseAs = AgreementError) -> T:
-    """Run a rank-local computation; if it raises on any rank, every rank raises."""
+    """Run a rank-local computation; if it raises on any rank, every rank raises.
+
+    Every failure is agreed, also those that are ``BaseException``-only (torch DCP's
+    ``CheckpointException``, this package's errors); only an interrupt or an exit is not.
+    """
     result: Any = None
     error: str | None = None
     try:
         result = compute()
-    except Exception as exc:  # noqa: BLE001 - reported on every rank by check()
-        error = f"{type(exc).__name__}: {exc}"
+    except (KeyboardInterrupt, SystemExit, GeneratorExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - reported on every rank by check()
+        error = describe_error(exc)
     check(error, what, group, raise_as)
     return result
 

@@ -151,6 +151,7 @@ def _caller_queues_probe() -> list[str]:
     from megatron.core.dist_checkpointing.strategies.async_utils import PersistentAsyncCaller
 
     caller = PersistentAsyncCaller()
+    caller.close = lambda *_args, **_kwargs: None  # no worker to close (its __del__ calls it)
     problems = [f"PersistentAsyncCaller has no attribute {a!r}" for a in ("process", "cur_item")
                 if not hasattr(caller, a)]
     try:

@@ -29,7 +29,7 @@ import shutil
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any
 
 import torch.distributed as dist
 from megatron.core import dist_checkpointing, parallel_state
@@ -37,9 +37,9 @@ from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.rerun_state_machine import RerunStateMachine
 from torch.distributed.checkpoint import CheckpointException
 
-from ..agreement import RaiseAs, check, rank_and_size
+from ..agreement import check, describe_error, rank_and_size, run
 from . import layout, rng
-from .errors import CheckpointReadError, CheckpointSaveError, describe
+from .errors import CheckpointReadError, CheckpointSaveError
 from .freeze import EmbeddingFreeze
 from .strategies import (
     CheckpointingContext,
@@ -83,28 +83,6 @@ def _sharded_parts(model: Any, optimizer: MegatronOptimizer, *, optim: bool, rng
     if rng_state:
         parts[rng.RNG_KEY] = rng.sharded()
     return parts
-
-
-T = TypeVar("T")
-
-
-def agreed(compute: Callable[[], T], what: str, raise_as: RaiseAs) -> T:
-    """Run a rank-local step; if it fails on any rank, every rank raises the same error.
-
-    Like :func:`megatron_ckpt_fixes.agreement.run`, but torch DCP's ``CheckpointException``
-    and this package's errors (``BaseException`` subclasses, not ``Exception``) are agreed
-    too, each described by its causes rather than by its per-rank tracebacks.
-    """
-    result: Any = None
-    error: str | None = None
-    try:
-        result = compute()
-    except (KeyboardInterrupt, SystemExit):
-        raise
-    except BaseException as exc:  # noqa: BLE001 - raised on every rank by check()
-        error = describe(exc)
-    check(error, what, raise_as=raise_as)
-    return result
 
 
 def _write_failure(what: str, reports: dict[int, dict[int, str]]) -> CheckpointSaveError:
@@ -151,10 +129,10 @@ class Checkpointer:
         iteration = state.iteration
         staging = layout.staging_dir(root, iteration)
         what = f"saving iteration {iteration} to {staging}"
-        agreed(functools.partial(_prepare_staging, staging), what, CheckpointSaveError)
-        sharded = agreed(lambda: self._state_to_save(state, model, optimizer, machine,
-                                                     data_iterator),
-                         what, CheckpointSaveError)
+        run(functools.partial(_prepare_staging, staging), what, raise_as=CheckpointSaveError)
+        sharded = run(lambda: self._state_to_save(state, model, optimizer, machine,
+                                                  data_iterator),
+                      what, raise_as=CheckpointSaveError)
         strategy, validate = save_strategy(self.options.strategy, self.context)
         kwargs = {} if self.async_strategy is None else {"async_strategy": self.async_strategy}
         request = dist_checkpointing.save(sharded, str(staging), strategy,
@@ -197,7 +175,7 @@ class Checkpointer:
             try:
                 logger.info("saved checkpoint %s", layout.publish(root, iteration))
             except OSError as exc:
-                error = describe(exc)
+                error = describe_error(exc)
         check(error, f"publishing the checkpoint of iteration {iteration} in {root}",
               raise_as=CheckpointSaveError)
 
@@ -223,18 +201,18 @@ class Checkpointer:
         root = self.options.load
         assert root is not None, "load() needs --load"
         what = f"reading the checkpoint to resume from in {root}"
-        found = agreed(functools.partial(_locate, root), what, CheckpointReadError)
+        found = run(functools.partial(_locate, root), what, raise_as=CheckpointReadError)
         if found is None:
             logger.info("no checkpoint in %s: starting from scratch", root)
             return None
         ckpt, common = found
         what = f"loading {ckpt}"
-        template = agreed(lambda: self._load_template(ckpt, common, model, optimizer, machine),
-                          what, CheckpointReadError)
+        template = run(lambda: self._load_template(ckpt, common, model, optimizer, machine),
+                       what, raise_as=CheckpointReadError)
         loaded = dist_checkpointing.load(template, ckpt,
                                          load_strategy(self.options.strategy, self.context, ckpt))
-        return agreed(lambda: self._restore(loaded, ckpt, model, optimizer, machine), what,
-                      CheckpointReadError)
+        return run(lambda: self._restore(loaded, ckpt, model, optimizer, machine), what,
+                   raise_as=CheckpointReadError)
 
     def _load_template(self, ckpt: str, common: dict[str, Any], model: Any,
                        optimizer: MegatronOptimizer, machine: RerunStateMachine) -> dict:
@@ -292,6 +270,6 @@ def agreed_write_failure(what: str) -> Iterator[None]:
     try:
         yield
     except CheckpointException as exc:
-        report = {rank: describe(error) for rank, (error, _trace) in exc.failures.items()}
+        report = {rank: describe_error(error) for rank, (error, _trace) in exc.failures.items()}
         check(report, what, raise_as=_write_failure)
         raise  # not reached: check() raised on every rank

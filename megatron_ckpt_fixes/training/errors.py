@@ -23,24 +23,3 @@ class CheckpointSaveError(AgreementError):
 
 class CheckpointReadError(AgreementError):
     """The checkpoint to resume from cannot be read as asked (tracker, directory, contents)."""
-
-
-def _first_line(exc: BaseException) -> str:
-    text = str(exc).strip()
-    return f"{type(exc).__name__}: {text.splitlines()[0]}" if text else type(exc).__name__
-
-
-def describe(exc: BaseException) -> str:
-    """An error as its causes, one line each: the package's errors are written that way;
-    torch DCP's ``CheckpointException`` carries one failure (with its traceback) per rank."""
-    if isinstance(exc, MegatronCkptFixesError):
-        return str(exc).strip()
-    failures = getattr(exc, "failures", None)
-    if isinstance(failures, dict) and len(failures) == 1:
-        # A rank-local failure (megatron-core >= 0.19 plans loads per rank and keys its own
-        # failure as rank 0): the agreement says which rank it was.
-        return _first_line(next(iter(failures.values()))[0])
-    if isinstance(failures, dict) and failures:
-        return "; ".join(f"rank {rank}: {_first_line(error)}"
-                         for rank, (error, _trace) in sorted(failures.items()))
-    return _first_line(exc)

@@ -44,7 +44,8 @@ from . import rerun, rng
 from .args import parse_args
 from .checkpointing import Checkpointer, CheckpointOptions, TrainState
 from .data import SyntheticTokens
-from .errors import ConfigError, describe
+from ..agreement import describe_error
+from .errors import ConfigError
 from .freeze import EmbeddingFreeze
 from .model import (
     ModelShape,
@@ -219,9 +220,9 @@ def report_error(exc: BaseException, verbose: bool) -> None:
         traceback.print_exception(exc)
     if isinstance(exc, SAME_ON_EVERY_RANK):
         if rank == "0":
-            print(f"train.py: error: {describe(exc)}", file=sys.stderr, flush=True)
+            print(f"train.py: error: {describe_error(exc)}", file=sys.stderr, flush=True)
     else:
-        print(f"train.py: error on rank {rank}: {describe(exc)}", file=sys.stderr, flush=True)
+        print(f"train.py: error on rank {rank}: {describe_error(exc)}", file=sys.stderr, flush=True)
 
 
 def run_job(job: Job) -> int:

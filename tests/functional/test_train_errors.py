@@ -99,7 +99,9 @@ def test_full_disk_during_a_save(tmp_path):
     # 0.19's writer keeps only the class (<class 'OSError'>) and logs the errno itself.
     text = _assert_one_clear_error(job, "saving iteration 2")
     assert re.search(r"failed on [12] rank\(s\):\n  rank [01]: RuntimeError: Worker failure", text)
-    assert "No space left on device" in job.output
+    # The errno text, or PyTorch's zip writer noticing the short write of an object item
+    # ("unexpected pos N vs M"): which item meets the full disk first varies.
+    assert re.search(r"No space left on device|unexpected pos \d+ vs \d+", job.output)
     after = tmp_path / "ckpt.after"
     assert layout.read_tracker(after) == 1
     assert layout.iteration_dir(after, 1).is_dir() and not layout.iteration_dir(after, 2).exists()
