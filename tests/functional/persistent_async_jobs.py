@@ -87,8 +87,10 @@ def persistent_save_worker(rank: int, ws: int, subset: str, kill_rank: int | Non
     queue = AsyncCallsQueue(persistent=True)
 
     def worker():
-        # The caller is per queue in megatron-core 0.16, shared by the class from 0.17 on.
-        caller = getattr(queue, "persistent_caller", None) or AsyncCallsQueue._persistent_caller
+        # The caller is per queue in megatron-core 0.16, shared by the class from 0.17 on; it
+        # exists only once the first request was scheduled (the poll may come first).
+        caller = (getattr(queue, "persistent_caller", None)
+                  or getattr(AsyncCallsQueue, "_persistent_caller", None))
         return None if caller is None else caller.process
 
     def save(step: int, die: bool):
