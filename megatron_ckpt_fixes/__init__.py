@@ -36,6 +36,7 @@ FEATURES: tuple[str, ...] = (
     "rerun.stats_report",
     "load_errors",
     "compat.rerun_device",
+    "checksums",
 )
 
 #: Features applied only when named: not checkpoint fixes. ``training.cpu_support`` replaces
