@@ -40,6 +40,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="load model weights only (fresh optimizer state)")
     ckpt.add_argument("--no-load-rng", action="store_true",
                       help="keep this run's seeded RNG streams instead of the checkpoint's")
+    ckpt.add_argument("--ckpt-verify-checksums", action="store_true",
+                      help="before loading, check every item against the checksums recorded "
+                           "when it was saved (megatron_ckpt_fixes' checksums feature); a "
+                           "mismatch stops the job on every rank, naming the key and the file")
 
     rerun = p.add_argument_group("rerun state machine")
     rerun.add_argument("--rerun-mode", default="disabled",
@@ -59,6 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="rank 0 writes the full (TP-gathered) weights and optimizer state "
                           "when the run ends normally")
     dev.add_argument("--upstream-only", action="store_true", help=argparse.SUPPRESS)
+    dev.add_argument("--no-install", action="store_true",
+                     help="never call megatron_ckpt_fixes.install(): the fixes come from "
+                          "`megatron-ckpt-fixes run` or MEGATRON_CKPT_FIXES (zero-code "
+                          "activation), as for an unchanged Megatron-LM script")
     return p
 
 

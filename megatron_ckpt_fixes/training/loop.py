@@ -70,12 +70,14 @@ def init_distributed() -> None:
 
 
 def setup(args: Any) -> Job:
-    megatron_ckpt_fixes.install(UPSTREAM_FEATURES if args.upstream_only else None)
+    if not args.no_install:
+        megatron_ckpt_fixes.install(UPSTREAM_FEATURES if args.upstream_only else None)
     if not backend_uses_cuda():
         if args.clip_grad > 0:
             raise SystemExit("--clip-grad > 0 needs CUDA: megatron-core's "
                              "clip_grad_by_total_norm_fp32 asserts CUDA tensors")
-        megatron_ckpt_fixes.install(["training.cpu_support"])
+        if not args.no_install:
+            megatron_ckpt_fixes.install(["training.cpu_support"])
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=args.tensor_model_parallel_size)
     rng.seed_all(args.seed)
@@ -89,7 +91,7 @@ def setup(args: Any) -> Job:
         save=args.save, load=args.load, ckpt_format=args.ckpt_format,
         assume_constant_structure=args.ckpt_assume_constant_structure,
         async_save=args.async_save, load_optim=not args.no_load_optim,
-        load_rng=not args.no_load_rng))
+        load_rng=not args.no_load_rng, verify_checksums=args.ckpt_verify_checksums))
     state = (checkpointer.load(model, optimizer, machine) if args.load else None) or TrainState()
     data = RerunDataIterator(SyntheticTokens(
         seed=args.seed, vocab_size=args.vocab_size, seq_length=args.seq_length,
