@@ -34,6 +34,7 @@ from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.rerun_state_machine import RerunStateMachine
 
 from ..agreement import check
+from ..checksums import verify_checkpoint
 from . import layout, rng
 
 logger = logging.getLogger(__name__)
@@ -63,6 +64,7 @@ class CheckpointOptions:
     async_save: bool = False
     load_optim: bool = True
     load_rng: bool = True
+    verify_checksums: bool = False
 
 
 def _sharded_parts(model: Any, optimizer: MegatronOptimizer, *, optim: bool, rng_state: bool,
@@ -168,6 +170,12 @@ class Checkpointer:
             logger.info("no checkpoint in %s: starting from scratch", root)
             return None
         ckpt = str(layout.checkpoint_dir(root, iteration))
+        if self.options.verify_checksums:
+            # Collective: a mismatch raises the same ChecksumError on every rank.
+            summary = verify_checkpoint(ckpt)
+            if dist.get_rank() == 0:
+                logger.log(logging.INFO if summary.status == "verified" else logging.WARNING,
+                           "checksums of %s: %s", ckpt, summary)
         common = dist_checkpointing.load_common_state_dict(ckpt)
         saved_world = common["world_size"]
         if self.options.load_rng and saved_world != dist.get_world_size():
