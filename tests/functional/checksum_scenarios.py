@@ -123,8 +123,7 @@ def checksum_worker(rank: int, ws: int, root: str) -> dict[str, Any]:
     corrupt = os.path.join(root, "corrupt")
     if rank == 0:
         shutil.copytree(os.path.join(root, "sync"), corrupt)
-        out["flipped_file"] = flip_tensor_byte(Path(corrupt), "w", (ROWS, 0),
-                                               local_values(1)["w"])
+        out["flipped_file"] = flip_tensor_byte(Path(corrupt), "w", (ROWS, 0))
     dist.barrier()
     out["corrupt"] = {**_verify(corrupt), "patched_load_exact": _load_exact(corrupt, rank, ws)}
     megatron_ckpt_fixes.uninstall()

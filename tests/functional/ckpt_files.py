@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import io
 import os
 import pickle
 from pathlib import Path
@@ -29,18 +30,20 @@ def storage_entry(ckpt: Path, key: str, chunk: tuple[int, ...] | None = None):
     raise KeyError((key, chunk))
 
 
-def flip_tensor_byte(ckpt: Path, key: str, chunk: tuple[int, ...], saved: torch.Tensor) -> str:
-    """Flip one byte inside the raw data of a saved tensor chunk (found by its exact bytes
-    within the item's range, so the flip lands in tensor data, not in a zip header).
+def flip_tensor_byte(ckpt: Path, key: str, chunk: tuple[int, ...]) -> str:
+    """Flip one byte inside the raw data of a saved tensor chunk: the item's bytes are a
+    ``torch.save`` archive, so the chunk's values are read from it and their exact bytes
+    located, and the flip lands in tensor data, not in a zip header (a load still succeeds).
     Returns the data file's name."""
     info = storage_entry(ckpt, key, chunk)
     path = ckpt / info.relative_path
     with open(path, "r+b") as f:
         f.seek(info.offset)
         item = f.read(info.length)
-        at = item.find(saved.contiguous().numpy().tobytes())
+        values = torch.load(io.BytesIO(item), weights_only=True)
+        at = item.find(values.contiguous().numpy().tobytes())
         assert at >= 0, f"the bytes of {key} are not stored raw in {path}"
-        f.seek(info.offset + at + saved.element_size() // 2)
+        f.seek(info.offset + at + values.numel() * values.element_size() // 2)
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x40]))

@@ -186,7 +186,7 @@ def test_common_state_that_cannot_be_loaded(ckpt, capsys):
 
 def test_a_flipped_byte_is_named_with_key_and_file(ckpt, capsys):
     """Every other check passes on this checkpoint: only the checksum sees the flip."""
-    file = flip_tensor_byte(ckpt, "w", (0, 0), W)
+    file = flip_tensor_byte(ckpt, "w", (0, 0))
     info = storage_entry(ckpt, "w")
     code, lines, _ = _verify(capsys, ckpt)
     assert code == 1
