@@ -1,7 +1,7 @@
-"""The ``megatron-ckpt-fixes`` command.
+"""Inspect and verify torch_dist checkpoints; run unchanged scripts with the fixes installed.
 
     megatron-ckpt-fixes inspect CKPT_DIR     # what is in a torch_dist checkpoint
-    megatron-ckpt-fixes verify CKPT_DIR      # will it load, and load what was saved? (exit 1 if not)
+    megatron-ckpt-fixes verify CKPT_DIR      # will it load what was saved? (exit 1 if not)
     megatron-ckpt-fixes verify --dcp DIR     # the same for a plain torch DCP checkpoint
     megatron-ckpt-fixes run [--features F,...] -- SCRIPT ARGS...   # the fixes, no code change
 
@@ -25,7 +25,8 @@ __all__ = ["main", "verify"]
 def _inspect(metadata: Metadata) -> None:
     for key, md in sorted(metadata.state_dict_metadata.items()):
         if isinstance(md, TensorStorageMetadata):
-            print(f"{key}  tensor {tuple(md.size)} {md.properties.dtype}  {len(md.chunks)} chunk(s)")
+            print(f"{key}  tensor {tuple(md.size)} {md.properties.dtype}  "
+                  f"{len(md.chunks)} chunk(s)")
         else:
             print(f"{key}  object")
 
