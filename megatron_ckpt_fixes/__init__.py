@@ -38,6 +38,7 @@ FEATURES: tuple[str, ...] = (
     "async_worker",
     "compat.rerun_device",
     "dtensor.mcore",
+    "checksums",
 )
 
 #: Features applied only when named: not checkpoint fixes. ``training.cpu_support`` replaces

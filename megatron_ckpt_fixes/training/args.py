@@ -87,6 +87,10 @@ def build_parser() -> argparse.ArgumentParser:
                       help="load model weights only (fresh optimizer state)")
     ckpt.add_argument("--no-load-rng", action="store_true",
                       help="keep this run's seeded RNG streams instead of the checkpoint's")
+    ckpt.add_argument("--ckpt-verify-checksums", action="store_true",
+                      help="before loading, check every item against the checksums recorded "
+                           "when it was saved (megatron_ckpt_fixes' checksums feature); a "
+                           "mismatch stops the job on every rank, naming the key and the file")
 
     rerun = p.add_argument_group("rerun state machine")
     rerun.add_argument("--rerun-mode", default="disabled",
@@ -109,6 +113,10 @@ def build_parser() -> argparse.ArgumentParser:
     own.add_argument("--verbose", action="store_true",
                      help="print the traceback of an error, not only its one-line cause")
     own.add_argument("--upstream-only", action="store_true", help=argparse.SUPPRESS)
+    own.add_argument("--no-install", action="store_true",
+                     help="never call megatron_ckpt_fixes.install(): the fixes come from "
+                          "`megatron-ckpt-fixes run` or MEGATRON_CKPT_FIXES (zero-code "
+                          "activation), as for an unchanged Megatron-LM script")
     return p
 
 

@@ -38,6 +38,7 @@ from megatron.core.rerun_state_machine import RerunStateMachine
 from torch.distributed.checkpoint import CheckpointException
 
 from ..agreement import check, describe_error, rank_and_size, run
+from ..checksums import verify_checkpoint
 from . import layout, rng
 from .errors import CheckpointReadError, CheckpointSaveError
 from .freeze import EmbeddingFreeze
@@ -72,6 +73,7 @@ class CheckpointOptions:
     strategy: StrategyOptions = field(default_factory=StrategyOptions)
     load_optim: bool = True
     load_rng: bool = True
+    verify_checksums: bool = False
 
 
 def _sharded_parts(model: Any, optimizer: MegatronOptimizer, *, optim: bool, rng_state: bool,
@@ -206,6 +208,12 @@ class Checkpointer:
             logger.info("no checkpoint in %s: starting from scratch", root)
             return None
         ckpt, common = found
+        if self.options.verify_checksums:
+            # Collective: a mismatch raises the same ChecksumError on every rank.
+            summary = verify_checkpoint(ckpt)
+            if dist.get_rank() == 0:
+                logger.log(logging.INFO if summary.status == "verified" else logging.WARNING,
+                           "checksums of %s: %s", ckpt, summary)
         what = f"loading {ckpt}"
         template = run(lambda: self._load_template(ckpt, common, model, optimizer, machine),
                        what, raise_as=CheckpointReadError)

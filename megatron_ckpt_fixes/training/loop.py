@@ -35,7 +35,8 @@ from torch.distributed.checkpoint import CheckpointException
 
 import megatron_ckpt_fixes
 
-from ..agreement import AgreementError
+from ..agreement import AgreementError, describe_error
+from ..checksums.load import ChecksumError
 from ..compat.device import backend_uses_cuda
 from ..errors import MegatronCkptFixesError, UnsupportedVersionError
 from ..load_errors import CheckpointLoadError
@@ -44,7 +45,6 @@ from . import rerun, rng
 from .args import parse_args
 from .checkpointing import Checkpointer, CheckpointOptions, TrainState
 from .data import SyntheticTokens
-from ..agreement import describe_error
 from .errors import ConfigError
 from .freeze import EmbeddingFreeze
 from .model import (
@@ -89,7 +89,7 @@ def init_distributed() -> None:
 def checkpoint_options(args: Any) -> CheckpointOptions:
     return CheckpointOptions(
         save=args.save, load=args.load, load_optim=not args.no_load_optim,
-        load_rng=not args.no_load_rng,
+        load_rng=not args.no_load_rng, verify_checksums=args.ckpt_verify_checksums,
         strategy=StrategyOptions(
             ckpt_format=args.ckpt_format,
             assume_constant_structure=args.ckpt_assume_constant_structure,
@@ -99,12 +99,14 @@ def checkpoint_options(args: Any) -> CheckpointOptions:
 
 
 def setup(args: Any) -> Job:
-    megatron_ckpt_fixes.install(UPSTREAM_FEATURES if args.upstream_only else None)
+    if not args.no_install:
+        megatron_ckpt_fixes.install(UPSTREAM_FEATURES if args.upstream_only else None)
     if not backend_uses_cuda():
         if args.clip_grad > 0:
             raise ConfigError("--clip-grad > 0 needs CUDA: megatron-core's "
                               "clip_grad_by_total_norm_fp32 asserts CUDA tensors")
-        megatron_ckpt_fixes.install(["training.cpu_support"])
+        if not args.no_install:
+            megatron_ckpt_fixes.install(["training.cpu_support"])
     if args.ckpt_fully_parallel_save_deprecated and dist.get_rank() == 0:
         print("--ckpt-fully-parallel-save flag is deprecated and has no effect. Use "
               "--no-ckpt-fully-parallel-save to disable parallel save.", flush=True)
@@ -209,7 +211,7 @@ def train(job: Job) -> int:
 #: Errors every rank raises identically (agreed, or decided from the same inputs): the job
 #: prints them once. Any other error is printed by each rank that raised it.
 SAME_ON_EVERY_RANK: tuple[type[BaseException], ...] = (
-    AgreementError, CheckpointLoadError, ShardingValidationError, ConfigError,
+    AgreementError, ChecksumError, CheckpointLoadError, ShardingValidationError, ConfigError,
     UnsupportedVersionError)
 
 

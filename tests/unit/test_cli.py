@@ -1,46 +1,226 @@
-"""verify finds what would stop a checkpoint from loading, from the files alone."""
+"""verify checks everything a load needs, from the files alone; one test per check.
+
+Checks: .metadata readable; each tensor's chunks inside its shape, not overlapping, covering
+it; a storage entry per chunk/object, inside an existing data file; megatron-core's
+metadata.json; the common state (common.pt, or the common_state object of >= 0.19); the
+checksums recorded at save time. Before, verify exited 0 on a deleted common.pt, a deleted
+metadata.json and a flipped byte, and printed a traceback without .metadata.
+"""
 
 from __future__ import annotations
 
-import os
+import datetime
+import json
+import shutil
 
+import pytest
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from ckpt_files import flip_tensor_byte, read_metadata, storage_entry, write_metadata
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
+import megatron_ckpt_fixes
+from megatron_ckpt_fixes.checksums import SIDECAR
 from megatron_ckpt_fixes.cli import main
 
-
-def _save(path) -> None:
-    dcp.save({"w": torch.arange(12.0).reshape(3, 4), "obj": {"step": 3}}, checkpoint_id=str(path))
+W = torch.arange(12.0).reshape(3, 4)
 
 
-def test_verify_accepts_a_complete_checkpoint(single_rank_group, tmp_path, capsys):
-    _save(tmp_path / "ok")
-    assert main(["verify", str(tmp_path / "ok")]) == 0
-    assert "OK" in capsys.readouterr().out
-    assert main(["inspect", str(tmp_path / "ok")]) == 0
-    assert "w  tensor (3, 4) torch.float32" in capsys.readouterr().out
+def _state():
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+
+    return {"w": ShardedTensor.from_rank_offsets("w", W.clone()),
+            "obj": ShardedObject("obj", {"step": 3}, (1,), (0,)),
+            "iteration": 3}
 
 
-def test_verify_reports_missing_and_truncated_files(single_rank_group, tmp_path, capsys):
-    _save(tmp_path / "bad")
-    data = [f for f in os.listdir(tmp_path / "bad") if f.endswith(".distcp")]
-    with open(tmp_path / "bad" / data[0], "r+b") as f:
-        f.truncate(8)
-    assert main(["verify", str(tmp_path / "bad")]) == 1
-    out = capsys.readouterr().out
-    assert "PROBLEM w:" in out and "ends at 8 bytes" in out
-    os.remove(tmp_path / "bad" / data[0])
-    assert main(["verify", str(tmp_path / "bad")]) == 1
-    assert "is missing" in capsys.readouterr().out
+@pytest.fixture(scope="module")
+def saved(tmp_path_factory):
+    """A megatron-core checkpoint with checksums ("ckpt"), one without ("plain"), and a plain
+    torch DCP checkpoint ("dcp")."""
+    from megatron.core import dist_checkpointing
+
+    root = tmp_path_factory.mktemp("cli")
+    dist.init_process_group("gloo", init_method=f"file://{root / 'rdzv'}", rank=0,
+                            world_size=1, timeout=datetime.timedelta(seconds=60))
+    try:
+        for name, features in (("ckpt", None), ("plain", [
+                f for f in megatron_ckpt_fixes.FEATURES if f != "checksums"])):
+            megatron_ckpt_fixes.uninstall()
+            megatron_ckpt_fixes.install(features)
+            (root / name).mkdir()
+            dist_checkpointing.save(_state(), str(root / name))
+        dcp.save({"w": W.clone(), "obj": {"step": 3}}, checkpoint_id=str(root / "dcp"))
+    finally:
+        megatron_ckpt_fixes.uninstall()
+        dist.destroy_process_group()
+    return root
 
 
-def test_verify_reports_uncovered_chunks(single_rank_group, tmp_path, capsys):
-    _save(tmp_path / "gap")
-    reader = dcp.FileSystemReader(str(tmp_path / "gap"))
-    md = reader.read_metadata()
-    md.state_dict_metadata["w"].size = torch.Size([4, 4])  # one row no chunk covers
-    from megatron_ckpt_fixes.cli import verify
+@pytest.fixture
+def ckpt(saved, tmp_path):
+    """A fresh copy of the checksummed megatron-core checkpoint, to damage."""
+    return shutil.copytree(saved / "ckpt", tmp_path / "ckpt")
 
-    problems = verify(md, str(tmp_path / "gap"))
-    assert [str(p) for p in problems] == ["w: chunks cover 12 of 16 elements"]
+
+def _verify(capsys, path, *flags) -> tuple[int, list[str], str]:
+    code = main(["verify", *flags, str(path)])
+    out, err = capsys.readouterr()
+    return code, out.splitlines(), err
+
+
+def _problems(lines: list[str]) -> list[str]:
+    return [line.removeprefix("PROBLEM ") for line in lines if line.startswith("PROBLEM ")]
+
+
+def test_a_complete_checkpoint_verifies(ckpt, capsys):
+    code, lines, err = _verify(capsys, ckpt)
+    assert code == 0 and not _problems(lines), lines
+    items = len(read_metadata(ckpt).storage_data)
+    assert f"checksums: {items} of {items} item(s) match their checksums" in lines
+    assert lines[-1].endswith("OK")
+    assert main(["inspect", str(ckpt)]) == 0
+    assert "w  tensor (3, 4) torch.float32  1 chunk(s)" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("damage, says", [
+    (lambda p: (p / ".metadata").unlink(), "no .metadata file: not a torch_dist checkpoint"),
+    (lambda p: (p / ".metadata").write_bytes(b"not a pickle"), ".metadata is unreadable"),
+    (lambda p: shutil.rmtree(p), "no such directory"),
+])
+@pytest.mark.parametrize("command", ["verify", "inspect"])
+def test_unverifiable_directory_is_one_line_and_exit_1(ckpt, capsys, damage, says, command):
+    damage(ckpt)
+    assert main([command, str(ckpt)]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and len(err.splitlines()) == 1 and says in err, err
+    assert "Traceback" not in err
+
+
+def test_a_chunk_outside_the_shape(ckpt, capsys):
+    md = read_metadata(ckpt)
+    md.state_dict_metadata["w"].size = torch.Size([2, 4])
+    write_metadata(ckpt, md)
+    code, lines, _ = _verify(capsys, ckpt)
+    assert code == 1 and "w: chunk at (0, 0) of size (3, 4) exceeds shape (2, 4)" in lines[0]
+
+
+def test_overlapping_chunks(ckpt, capsys):
+    md = read_metadata(ckpt)
+    md.state_dict_metadata["w"].chunks.append(
+        ChunkStorageMetadata(offsets=torch.Size([1, 0]), sizes=torch.Size([2, 4])))
+    write_metadata(ckpt, md)
+    code, lines, _ = _verify(capsys, ckpt)
+    assert code == 1
+    assert _problems(lines) == ["w: chunks at (0, 0) and (1, 0) overlap",
+                                "w: no storage entry for chunk at (1, 0)"]
+
+
+def test_chunks_that_do_not_cover_the_shape(ckpt, capsys):
+    md = read_metadata(ckpt)
+    md.state_dict_metadata["w"].size = torch.Size([4, 4])
+    write_metadata(ckpt, md)
+    code, lines, _ = _verify(capsys, ckpt)
+    assert code == 1 and _problems(lines) == ["w: chunks cover 12 of 16 elements"]
+
+
+def test_a_missing_storage_entry(ckpt, capsys):
+    md = read_metadata(ckpt)
+    del md.storage_data[next(i for i in md.storage_data if i.fqn == "obj/shard_0_1")]
+    write_metadata(ckpt, md)
+    code, lines, _ = _verify(capsys, ckpt)
+    assert code == 1 and _problems(lines) == ["obj/shard_0_1: no storage entry"]
+
+
+def test_missing_and_truncated_data_files(ckpt, capsys):
+    info = storage_entry(ckpt, "w")
+    with open(ckpt / info.relative_path, "r+b") as f:
+        f.truncate(info.offset + 8)
+    code, lines, _ = _verify(capsys, ckpt)
+    assert code == 1 and _problems(lines) == [
+        f"w: {info.relative_path} ends at {info.offset + 8} bytes, its entry needs "
+        f"{info.offset + info.length}"]
+    (ckpt / info.relative_path).unlink()
+    code, lines, _ = _verify(capsys, ckpt)
+    assert code == 1 and f"w: data file {info.relative_path} is missing" in _problems(lines)
+
+
+@pytest.mark.parametrize("content, says", [
+    (None, "metadata.json: missing: megatron-core's load refuses a directory without it"),
+    ("{not json", "metadata.json: unreadable: JSONDecodeError"),
+    (json.dumps({"sharded_backend": "zarr", "sharded_backend_version": 1}),
+     "metadata.json: sharded backend 'zarr'"),
+])
+def test_megatron_metadata_json(ckpt, capsys, content, says):
+    if content is None:
+        (ckpt / "metadata.json").unlink()
+    else:
+        (ckpt / "metadata.json").write_text(content)
+    code, lines, _ = _verify(capsys, ckpt)
+    assert code == 1 and len(_problems(lines)) == 1 and _problems(lines)[0].startswith(says)
+
+
+def test_common_state_that_cannot_be_loaded(ckpt, capsys):
+    """megatron-core 0.16 keeps the common state in common.pt; 0.19 writes it as the
+    ``common_state`` object (and still reads a legacy common.pt first)."""
+    if (ckpt / "common.pt").exists():
+        (ckpt / "common.pt").unlink()
+        code, lines, _ = _verify(capsys, ckpt)
+        assert code == 1 and len(_problems(lines)) == 1
+        assert _problems(lines)[0].startswith("common state: cannot be loaded: common.pt is "
+                                              "absent and megatron-core's load fails without it")
+    else:
+        info = storage_entry(ckpt, "common_state/shard_0_1")
+        with open(ckpt / info.relative_path, "r+b") as f:
+            f.seek(info.offset)
+            f.write(bytes(info.length))
+        code, lines, _ = _verify(capsys, ckpt)
+        assert code == 1
+        assert _problems(lines)[0].startswith("common state: cannot be loaded:"), lines
+    (ckpt / "common.pt").write_bytes(b"garbage")  # read first by both versions
+    code, lines, _ = _verify(capsys, ckpt)
+    assert code == 1 and _problems(lines)[0].startswith("common state: cannot be loaded: "
+                                                        "UnpicklingError")
+
+
+def test_a_flipped_byte_is_named_with_key_and_file(ckpt, capsys):
+    """Every other check passes on this checkpoint: only the checksum sees the flip."""
+    file = flip_tensor_byte(ckpt, "w", (0, 0))
+    info = storage_entry(ckpt, "w")
+    code, lines, _ = _verify(capsys, ckpt)
+    assert code == 1
+    [problem] = _problems(lines)
+    assert problem.startswith("w: checksum mismatch (recorded crc32 ")
+    assert problem.endswith(f"in {file} at bytes {info.offset}..{info.offset + info.length} "
+                            "(chunk at (0, 0))")
+    items = len(read_metadata(ckpt).storage_data)
+    assert f"checksums: {items - 1} of {items} item(s) match their checksums, 1 do not" in lines
+
+
+def test_without_checksums_verify_says_absent(saved, capsys):
+    code, lines, _ = _verify(capsys, saved / "plain")
+    assert code == 0 and "checksums: absent (.checksums.json missing: saved without the " \
+                         "checksums feature)" in lines
+
+
+def test_a_record_of_another_save_is_not_used(saved, tmp_path, capsys):
+    other = shutil.copytree(saved / "plain", tmp_path / "other")
+    shutil.copy(saved / "ckpt" / SIDECAR, other / SIDECAR)
+    code, lines, _ = _verify(capsys, other)
+    assert code == 0 and any(line.startswith("checksums: not checked (.checksums.json belongs "
+                                             "to another save") for line in lines)
+
+
+def test_an_unreadable_record_is_a_problem(ckpt, capsys):
+    (ckpt / SIDECAR).write_text("{")
+    code, lines, _ = _verify(capsys, ckpt)
+    assert code == 1 and _problems(lines)[0].startswith(".checksums.json: .checksums.json is "
+                                                        "unreadable")
+
+
+def test_plain_torch_dcp_checkpoint(saved, capsys):
+    code, lines, _ = _verify(capsys, saved / "dcp", "--dcp")
+    assert code == 0 and lines[-1].endswith("torch DCP checkpoint, 2 keys, OK")
+    code, lines, _ = _verify(capsys, saved / "dcp")
+    assert code == 1 and _problems(lines)[0].startswith("metadata.json: missing")

@@ -1,0 +1,30 @@
+"""Checksums of every saved item: recorded at save time, checked by ``verify`` and at load.
+
+Reading order: :mod:`.record` (what is recorded, where, how it is checked) ->
+:mod:`.writer` (where the bytes are: megatron-core's torch_dist writer; the feature's
+patches) -> :mod:`.load` (the collective check before a load).
+
+    megatron_ckpt_fixes.install()                 # "checksums" is a default feature
+    dist_checkpointing.save(sharded, ckpt_dir)    # writes ckpt_dir/.checksums.json too
+    verify_checkpoint(ckpt_dir)                   # every rank; ChecksumError on a mismatch
+    dist_checkpointing.load(template, ckpt_dir)
+
+:mod:`.load` imports megatron-core, so it is imported on first use: ``verify`` of a plain DCP
+checkpoint and ``inspect`` stay free of it.
+"""
+
+from typing import Any
+
+from .record import SIDECAR, ChecksumSummary, read_record
+from .writer import PATCHES
+
+__all__ = ["PATCHES", "SIDECAR", "ChecksumError", "ChecksumSummary", "read_record",
+           "verify_checkpoint"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in ("ChecksumError", "verify_checkpoint"):
+        from . import load
+
+        return getattr(load, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

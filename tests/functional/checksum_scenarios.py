@@ -1,0 +1,141 @@
+"""Checksummed saves and loads on real gloo ranks (run by test_checksums.py).
+
+Every rank saves the same kinds of items megatron-core checkpoints hold: a tensor split
+across ranks, a replicated one (written once, by its main replica), a tensor above the
+writer's in-memory limit (checksummed through the tap), per-rank objects and common state.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ckpt_files import flip_tensor_byte
+
+ROWS = 4
+
+
+def local_values(rank: int) -> dict[str, torch.Tensor]:
+    from megatron_ckpt_fixes.checksums.writer import BUFFER_LIMIT
+
+    big = BUFFER_LIMIT // 4 + 1000  # float32 elements: just above the in-memory limit
+    return {
+        "w": torch.arange(ROWS * 8, dtype=torch.float32).reshape(ROWS, 8) + 1000 * rank,
+        "emb": torch.linspace(-1, 1, 24).reshape(4, 6),
+        "big": torch.arange(big, dtype=torch.float32) * (rank + 1),
+    }
+
+
+def sharded_state(rank: int, ws: int, values: dict[str, torch.Tensor] | None = None) -> dict:
+    from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
+
+    values = local_values(rank) if values is None else values
+    return {
+        "w": ShardedTensor.from_rank_offsets("w", values["w"], (0, rank, ws)),
+        "emb": ShardedTensor.from_rank_offsets("emb", values["emb"], replica_id=rank),
+        "big": ShardedTensor.from_rank_offsets("big", values["big"], (0, rank, ws)),
+        "obj": ShardedObject("obj", {"rank": rank, "note": "per-rank"}, (ws,), (rank,)),
+        "step": 7,
+    }
+
+
+def template(rank: int, ws: int) -> dict:
+    return sharded_state(rank, ws, {k: torch.zeros_like(v) for k, v in local_values(rank).items()})
+
+
+def exact(loaded: dict, rank: int) -> bool:
+    values = local_values(rank)
+    return (all(torch.equal(loaded[k], v) for k, v in values.items())
+            and loaded["obj"] == {"rank": rank, "note": "per-rank"} and loaded["step"] == 7)
+
+
+def _fresh_dir(root: str, name: str) -> str:
+    path = os.path.join(root, name)
+    if dist.get_rank() == 0:
+        os.makedirs(path)
+    dist.barrier()
+    return path
+
+
+def _save(sd: dict, path: str, strategy: Any = None, asynchronous: bool = False) -> None:
+    from megatron.core import dist_checkpointing as dc
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    if not asynchronous:
+        dc.save(sd, path, strategy)
+        return
+    kwargs = ({"async_strategy": "mcore"}
+              if "async_strategy" in inspect.signature(dc.save).parameters else {})
+    queue = AsyncCallsQueue()
+    queue.schedule_async_request(dc.save(sd, path, strategy, async_sharded_save=True, **kwargs))
+    queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+
+
+def _verify(path: str) -> dict[str, Any]:
+    from megatron_ckpt_fixes.checksums import verify_checkpoint
+
+    try:
+        summary = verify_checkpoint(path)
+    except BaseException as exc:  # noqa: BLE001 - the class and message are the result
+        return {"error": str(exc), "classes": [c.__name__ for c in type(exc).__mro__]}
+    return {"status": summary.status, "items": summary.items, "checked": summary.checked,
+            "unrecorded": summary.unrecorded}
+
+
+def _load_exact(path: str, rank: int, ws: int) -> bool:
+    from megatron.core import dist_checkpointing as dc
+
+    return exact(dc.load(template(rank, ws), path), rank)
+
+
+def checksum_worker(rank: int, ws: int, root: str) -> dict[str, Any]:
+    import megatron_ckpt_fixes
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelSaveStrategyWrapper)
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    from megatron_ckpt_fixes.checksums import SIDECAR
+
+    out: dict[str, Any] = {}
+    megatron_ckpt_fixes.install()
+    sd = sharded_state(rank, ws)
+
+    runs = {
+        "sync": (None, False),
+        "async": (TorchDistSaveShardedStrategy("torch_dist", 1), True),
+        "fully_parallel": (FullyParallelSaveStrategyWrapper(
+            TorchDistSaveShardedStrategy("torch_dist", 1)), False),
+    }
+    for name, (strategy, asynchronous) in runs.items():
+        path = _fresh_dir(root, name)
+        _save(sd, path, strategy, asynchronous)
+        out[name] = {**_verify(path), "exact": _load_exact(path, rank, ws),
+                     "sidecar": os.path.exists(os.path.join(path, SIDECAR))}
+
+    # A byte of rank 1's chunk of "w" flipped on disk after the save.
+    corrupt = os.path.join(root, "corrupt")
+    if rank == 0:
+        shutil.copytree(os.path.join(root, "sync"), corrupt)
+        out["flipped_file"] = flip_tensor_byte(Path(corrupt), "w", (ROWS, 0))
+    dist.barrier()
+    out["corrupt"] = {**_verify(corrupt), "patched_load_exact": _load_exact(corrupt, rank, ws)}
+    megatron_ckpt_fixes.uninstall()
+    megatron_ckpt_fixes.install(["compat.cpu"])  # plain upstream: its load checks nothing
+    out["corrupt"]["upstream_load_exact"] = _load_exact(corrupt, rank, ws)
+
+    # Saved without the checksums feature: no record, and it still loads exactly.
+    megatron_ckpt_fixes.uninstall()
+    megatron_ckpt_fixes.install([f for f in megatron_ckpt_fixes.FEATURES if f != "checksums"])
+    path = _fresh_dir(root, "without")
+    _save(sd, path)
+    megatron_ckpt_fixes.install()
+    out["without"] = {**_verify(path), "exact": _load_exact(path, rank, ws),
+                      "sidecar": os.path.exists(os.path.join(path, SIDECAR))}
+    return out

@@ -1,0 +1,50 @@
+"""Surgery on a saved torch_dist checkpoint's files, for tests of what verify and loads see."""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+from pathlib import Path
+
+import torch
+from torch.distributed.checkpoint.metadata import Metadata
+
+
+def read_metadata(ckpt: Path) -> Metadata:
+    with open(ckpt / ".metadata", "rb") as f:
+        return pickle.load(f)
+
+
+def write_metadata(ckpt: Path, metadata: Metadata) -> None:
+    with open(ckpt / ".metadata", "wb") as f:
+        pickle.dump(metadata, f)
+
+
+def storage_entry(ckpt: Path, key: str, chunk: tuple[int, ...] | None = None):
+    """The ``_StorageInfo`` of one saved item (a tensor chunk by its global offset)."""
+    for index, info in read_metadata(ckpt).storage_data.items():
+        offset = None if index.offset is None else tuple(index.offset)
+        if index.fqn == key and (chunk is None or offset == chunk):
+            return info
+    raise KeyError((key, chunk))
+
+
+def flip_tensor_byte(ckpt: Path, key: str, chunk: tuple[int, ...]) -> str:
+    """Flip one byte inside the raw data of a saved tensor chunk: the item's bytes are a
+    ``torch.save`` archive, so the chunk's values are read from it and their exact bytes
+    located, and the flip lands in tensor data, not in a zip header (a load still succeeds).
+    Returns the data file's name."""
+    info = storage_entry(ckpt, key, chunk)
+    path = ckpt / info.relative_path
+    with open(path, "r+b") as f:
+        f.seek(info.offset)
+        item = f.read(info.length)
+        values = torch.load(io.BytesIO(item), weights_only=True)
+        at = item.find(values.contiguous().numpy().tobytes())
+        assert at >= 0, f"the bytes of {key} are not stored raw in {path}"
+        f.seek(info.offset + at + values.numel() * values.element_size() // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x40]))
+    return info.relative_path

@@ -1,0 +1,128 @@
+"""Zero-code activation: MEGATRON_CKPT_FIXES at interpreter start-up, and ``run``.
+
+The switch must cost nothing when unset, import nothing heavy in an interpreter that never
+uses megatron-core, install exactly the named features once megatron-core is imported, and
+fail loudly (at that import) on a bad value. The ``.pth`` that does it must be installed by
+the package itself (the CI's editable install included).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import site
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from megatron_ckpt_fixes import FEATURES
+from megatron_ckpt_fixes.activation import ENV, ActivationError, arm, parse_features
+from megatron_ckpt_fixes.run import main as run_main
+
+REPO = Path(__file__).resolve().parents[2]
+PTH = "megatron_ckpt_fixes-activation.pth"
+
+PROBE = """
+import json, sys
+state = {"mcf": "megatron_ckpt_fixes" in sys.modules, "megatron": "megatron" in sys.modules,
+         "torch": "torch" in sys.modules,
+         "hooks": [type(f).__name__ for f in sys.meta_path if "Install" in type(f).__name__]}
+if "--import" in sys.argv:
+    import megatron.core.dist_checkpointing, megatron_ckpt_fixes
+    state["installed"] = sorted(megatron_ckpt_fixes.installed())
+    state["loader"] = type(megatron.core.__loader__).__name__
+    state["hooks"] = [type(f).__name__ for f in sys.meta_path if "Install" in type(f).__name__]
+print(json.dumps(state))
+"""
+
+
+def _python(value: str | None, *args: str) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k != ENV}
+    if value is not None:
+        env[ENV] = value
+    return subprocess.run([sys.executable, "-c", PROBE, *args], env=env, capture_output=True,
+                          text=True, timeout=120, cwd="/")
+
+
+def _state(value: str | None, *args: str) -> dict:
+    done = _python(value, *args)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def test_the_package_installs_its_pth_into_site_packages():
+    found = [Path(d) / PTH for d in site.getsitepackages() if (Path(d) / PTH).exists()]
+    assert found, f"{PTH} is in none of {site.getsitepackages()}"
+    assert found[0].read_text() == (REPO / PTH).read_text()
+
+
+@pytest.mark.parametrize("value", [None, "", "0", "off"])
+def test_unset_or_off_costs_nothing(value):
+    assert _state(value) == {"mcf": False, "megatron": False, "torch": False, "hooks": []}
+
+
+def test_set_in_an_interpreter_that_never_uses_megatron_core():
+    assert _state("1") == {"mcf": True, "megatron": False, "torch": False,
+                           "hooks": ["_InstallAfterImport"]}
+
+
+def test_set_installs_the_named_features_once_megatron_core_is_imported():
+    state = _state("structure,checksums", "--import")
+    assert {name.split(".")[0] for name in state["installed"]} == {"structure", "checksums"}
+    assert state["hooks"] == [] and state["loader"] == "SourceFileLoader"  # nothing left behind
+
+
+def test_a_bad_value_fails_at_the_megatron_core_import():
+    done = _python("structure,no-such-feature", "--import")
+    assert done.returncode != 0
+    assert (f"ActivationError: {ENV}='structure,no-such-feature' names unknown feature(s) "
+            "['no-such-feature']") in done.stderr
+
+
+@pytest.mark.parametrize("value, features", [
+    ("1", FEATURES), ("on", FEATURES), ("default", FEATURES),
+    ("structure, checksums", ("structure", "checksums")),
+    ("default,training.cpu_support", (*FEATURES, "training.cpu_support")),
+    ("0", None), ("", None), (None, None), ("false", None),
+])
+def test_switch_values(value, features):
+    assert parse_features(value) == features
+
+
+@pytest.mark.parametrize("value", ["nope", ",", "structure,nope"])
+def test_bad_switch_values(value):
+    with pytest.raises(ActivationError) as err:
+        parse_features(value)
+    assert isinstance(err.value, ValueError)
+
+
+def test_arm_after_megatron_core_is_imported_installs_at_once(clean_install):
+    import megatron.core  # noqa: F401
+
+    arm("structure")
+    assert set(clean_install.installed()) and all(
+        name.startswith("structure.") for name in clean_install.installed())
+
+
+def test_run_refuses_a_bad_feature_list_before_running_anything(capsys):
+    with pytest.raises(SystemExit) as exit_:
+        run_main(["--features", "nope", "--", "does_not_exist.py"])
+    assert exit_.value.code == 2 and "unknown feature(s) ['nope']" in capsys.readouterr().err
+
+
+def test_run_runs_a_script_as_main_with_its_arguments_and_directory(tmp_path, monkeypatch):
+    """As ``python SCRIPT ARGS`` would: __main__, sys.argv, the script's directory first."""
+    script = tmp_path / "job.py"
+    script.write_text("import json, os, sys\n"
+                      "if __name__ == '__main__':\n"
+                      "    print(json.dumps([sys.argv, sys.path[0], os.environ['"
+                      f"{ENV}']]))\n")
+    done = subprocess.run([sys.executable, "-m", "megatron_ckpt_fixes.run", "--features",
+                           "structure", "--", str(script), "--flag", "x"],
+                          capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert done.returncode == 0, done.stderr
+    argv, path0, switch = json.loads(done.stdout)
+    assert argv == [str(script), "--flag", "x"] and path0 == str(tmp_path)
+    assert switch == "structure"  # processes the script starts get the same fixes
