@@ -6,11 +6,28 @@ directly for one rank or by torchrun for several, as megatron-core's CI starts i
 
 from __future__ import annotations
 
+import datetime
 import os
 import sys
+import time
 from pathlib import Path
 
 import pytest
+
+
+def leave_together() -> None:
+    """Wait until every rank's pytest has finished (its XML written): torchrun stops the
+    other ranks as soon as one exits non-zero, which would cut their reports short."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return
+    import torch.distributed as dist
+
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]),
+                          is_master=False, timeout=datetime.timedelta(seconds=600))
+    store.add("mcf-suite/finished", 1)
+    while int(store.add("mcf-suite/finished", 0)) < world_size:
+        time.sleep(0.5)
 
 
 def main() -> int:
@@ -20,7 +37,9 @@ def main() -> int:
     with open(out / f"rank{rank}.log", "w") as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
-        return int(pytest.main([*sys.argv[2:], f"--junitxml={out / f'rank{rank}.xml'}"]))
+        code = int(pytest.main([*sys.argv[2:], f"--junitxml={out / f'rank{rank}.xml'}"]))
+    leave_together()
+    return code
 
 
 if __name__ == "__main__":
