@@ -9,7 +9,9 @@ setups, interleaved round by round so they share the machine's conditions:
 - all fixes:           ``cached_metadata=True`` after ``install()``
 
 Each setup keeps its strategy object across rounds (a warm cache, as in training) and is
-warmed with three saves first. The order of the setups alternates from round to round and
+warmed with three saves first. As in Megatron-LM under ``--ckpt-assume-constant-structure``,
+only the first save validates the sharding (``--validate-every-save``: every save, which is
+``dist_checkpointing.save``'s default). The order of the setups alternates from round to round and
 every timed save starts after a ``gc.collect()``, so neither position nor a collection left
 over from the previous setup favours one of them. A save's time is the slowest rank's.
 
@@ -24,7 +26,7 @@ the record on the coordinator; CPU time, see ``_checksum_work``).
 Targets: all fixes / upstream cached <= 1.03; structure check and checksums each < 2 % of a
 cached save.
 
-    python benchmarks/bench_cached_save.py [--sizes 5000 50000] [--rounds 15 5]
+    python benchmarks/bench_cached_save.py [--sizes 5000 50000] [--rounds 15 5] [--validate-every-save]
 """
 
 from __future__ import annotations
@@ -152,7 +154,8 @@ def _checksum_work(n: int, rank: int, root: str, rounds: int) -> float:
     return _max_over_ranks(statistics.median(extra) + record_s)
 
 
-def _bench(rank: int, ws: int, sizes: list[int], rounds: list[int], root: str) -> dict:
+def _bench(rank: int, ws: int, sizes: list[int], rounds: list[int], root: str,
+           validate_every_save: bool) -> dict:
     import megatron_ckpt_fixes
     from megatron.core import dist_checkpointing as dc
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
@@ -163,12 +166,12 @@ def _bench(rank: int, ws: int, sizes: list[int], rounds: list[int], root: str) -
     results: dict = {}
     counter = iter(range(10**9))
 
-    def save(sd, strategy):
+    def save(sd, strategy, validate=validate_every_save):
         path = os.path.join(root, f"c{next(counter)}")
         if rank == 0:
             os.makedirs(path)
         dist.barrier()
-        dc.save(sd, path, sharded_strategy=strategy)
+        dc.save(sd, path, sharded_strategy=strategy, validate_access_integrity=validate)
         return path
 
     def dropped(path):
@@ -188,8 +191,8 @@ def _bench(rank: int, ws: int, sizes: list[int], rounds: list[int], root: str) -
         times: dict[str, list[float]] = {name: [] for name in SETUPS}
         for name in SETUPS:
             use(name)
-            for _ in range(WARMUP):
-                dropped(save(sd, strategies[name]))
+            for i in range(WARMUP):
+                dropped(save(sd, strategies[name], validate=i == 0 or validate_every_save))
         order = list(SETUPS)
         for _ in tqdm(range(n_rounds), desc=f"{n} tensors/rank", disable=rank != 0):
             for name in order:
@@ -234,13 +237,18 @@ def main() -> None:
     parser.add_argument("--sizes", type=int, nargs="+", default=[5000, 50000])
     parser.add_argument("--rounds", type=int, nargs="+", default=[15, 5],
                         help="timed rounds per size (the last value repeats)")
+    parser.add_argument("--validate-every-save", action="store_true",
+                        help="validate the sharding on every save (dist_checkpointing.save's "
+                             "default) instead of on the first save only, as Megatron-LM does "
+                             "under --ckpt-assume-constant-structure")
     args = parser.parse_args()
     rounds = (args.rounds + args.rounds[-1:] * len(args.sizes))[:len(args.sizes)]
     base = os.environ.get("MCF_BENCH_DIR") or ("/dev/shm" if os.path.isdir("/dev/shm") else None)
     for n, n_rounds in zip(args.sizes, rounds):  # a process group per size: printed when done
         root = tempfile.mkdtemp(dir=base)
         try:
-            res = run_ranks(_bench, 2, [n], [n_rounds], root, timeout_s=7200,
+            res = run_ranks(_bench, 2, [n], [n_rounds], root, args.validate_every_save,
+                            timeout_s=7200,
                             collective_timeout_s=1800)[0].value
         finally:
             shutil.rmtree(root, ignore_errors=True)
