@@ -217,7 +217,7 @@ PATCHES: tuple[Patch, ...] = (
         target=_WRITER,
         attr="finish",
         build=recording_finish,
-        reads=(f"{_WRITER}.storage_meta",),
+        reads=("torch.distributed.checkpoint.filesystem:_FileSystemWriter.storage_meta",),
         probes=(_writer_problems,),
         why="the checksums of a save are recorded next to its .metadata, from the same "
             "write results",
