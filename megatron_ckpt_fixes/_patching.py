@@ -42,9 +42,9 @@ class Patch:
         name: stable id shown by ``installed()``: ``<feature>.<what>``.
         target: ``"package.module"`` or ``"package.module:Class"``.
         attr: attribute of the target to replace. Unless ``adds``, upstream must define it
-            on the target itself, or on ``inherited_from`` when declared: a replacement
-            written for one method must not land on another one that the MRO now finds
-            (an override deleted, a parent's method that behaves differently).
+            on the target itself, or on one of ``inherits_from``: a replacement written for
+            one method must not land on another one that the MRO now finds (an override
+            deleted, a parent's method that behaves differently).
         build: ``original -> replacement``; the replacement usually wraps the original
             (``original`` is None when ``adds``).
         why: one line for logs and ``installed()``.
@@ -57,9 +57,9 @@ class Patch:
             returns why (then the patch is not applied) or None.
         optional: a missing requirement skips this patch (``installed()`` says so) instead
             of failing ``install()``.
-        inherited_from: ``"package.module:Class"``, the base class of ``target`` that
-            defines ``attr`` upstream, when ``target`` inherits it (the patch then gives
-            ``target`` its own override).
+        inherits_from: base classes (``"package.module:Class"``) that define ``attr`` for
+            ``target`` to inherit in some releases (the patch then gives ``target`` its own
+            override); a base that a release lacks is simply not a candidate there.
     """
 
     name: str
@@ -73,7 +73,7 @@ class Patch:
     adds: bool = False
     not_needed: Callable[[], str | None] | None = None
     optional: bool = False
-    inherited_from: str | None = None
+    inherits_from: tuple[str, ...] = ()
 
 
 def resolve(target: str) -> Any:
@@ -120,8 +120,8 @@ def _read_problem(symbol: str) -> str | None:
     owner = resolve(f"{module_name}:{owner_name}")
     holder = definer(owner, attr)
     if isinstance(owner, type) and holder is not owner:
-        return (f"{symbol} is no longer defined on {_name(owner)} itself (found on "
-                f"{_name(holder)}): the patch was written for {_name(owner)}'s own")
+        return (f"{symbol} is no longer defined on {_name(owner)} (found on {_name(holder)} "
+                f"through the MRO): the patch was written for {_name(owner)}'s own")
     return None
 
 
@@ -159,17 +159,14 @@ def _definer_problems(patch: Patch, owner: Any, holder: Any, where: str) -> list
     """The replaced attribute must be defined where the patch says upstream defines it."""
     if holder is None:
         return [f"{where} not found (it is what this patch replaces)"]
-    expected_name = patch.inherited_from or patch.target
-    expected, problem = _resolved(expected_name)
-    if problem:
-        return [problem]
-    if holder is expected:
+    if holder is owner:
         return []
-    if expected is owner:
-        return [f"{where} is no longer defined on {_name(owner)} itself (only inherited from "
-                f"{_name(holder)}): the patch replaces {_name(owner)}'s own"]
-    return [f"{where} is defined on {_name(holder)}, not on {expected_name} where the patch "
-            "expects upstream to define it"]
+    bases = [resolve(b) for b in patch.inherits_from if _resolved(b)[1] is None]
+    if any(holder is base for base in bases):
+        return []
+    allowed = " or ".join([_name(owner), *patch.inherits_from])
+    return [f"{where} is no longer defined on {allowed} (found on {_name(holder)} through "
+            f"the MRO): the patch replaces the method of {allowed}"]
 
 
 def not_needed_reason(patch: Patch) -> str | None:
