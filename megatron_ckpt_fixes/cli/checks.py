@@ -194,7 +194,7 @@ def checksum_problems(metadata: Metadata,
                 for m in mismatches
                 if m.kind not in ("missing", "short")]  # storage_problems names those
     return problems, ChecksumSummary(status, len(items), len(items) - len(unrecorded),
-                                     len(unrecorded), len(mismatches))
+                                     len(unrecorded), len(mismatches), record.algorithm)
 
 
 def verify(checkpoint_dir: str, megatron: bool = True) -> Report:

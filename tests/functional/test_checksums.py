@@ -46,7 +46,7 @@ def test_a_flipped_byte_is_named_on_every_rank(outcomes):
     assert errors[0]["error"] == errors[1]["error"], "ranks disagree"
     message = errors[0]["error"]
     assert f"'w' chunk at ({4}, 0) in {file}" in message, message
-    assert "checksum mismatch (recorded crc32" in message
+    assert "checksum mismatch (recorded xxh3_64" in message
     assert message.count("checksum mismatch") == 1, message  # nothing else is reported
     for error in errors:
         assert {"ChecksumError", "CheckpointingException",

@@ -78,7 +78,7 @@ def test_a_complete_checkpoint_verifies(ckpt, capsys):
     code, lines, err = _verify(capsys, ckpt)
     assert code == 0 and not _problems(lines), lines
     items = len(read_metadata(ckpt).storage_data)
-    assert f"checksums: {items} of {items} item(s) match their checksums" in lines
+    assert f"checksums: {items} of {items} item(s) match their xxh3_64 checksums" in lines
     assert lines[-1].endswith("OK")
     assert main(["inspect", str(ckpt)]) == 0
     assert "w  tensor (3, 4) torch.float32  1 chunk(s)" in capsys.readouterr().out
@@ -191,11 +191,12 @@ def test_a_flipped_byte_is_named_with_key_and_file(ckpt, capsys):
     code, lines, _ = _verify(capsys, ckpt)
     assert code == 1
     [problem] = _problems(lines)
-    assert problem.startswith("w: checksum mismatch (recorded crc32 ")
+    assert problem.startswith("w: checksum mismatch (recorded xxh3_64 ")
     assert problem.endswith(f"in {file} at bytes {info.offset}..{info.offset + info.length} "
                             "(chunk at (0, 0))")
     items = len(read_metadata(ckpt).storage_data)
-    assert f"checksums: {items - 1} of {items} item(s) match their checksums, 1 do not" in lines
+    assert (f"checksums: {items - 1} of {items} item(s) match their xxh3_64 checksums, "
+            "1 do not") in lines
 
 
 def test_without_checksums_verify_says_absent(saved, capsys):
