@@ -224,3 +224,43 @@ def test_shares_partition_the_items_balanced_by_bytes(world):
     loads = [sum(i.length for i in s) for s in shares]
     assert max(loads) - min(loads) <= max(i.length for i in items)
     assert share(list(reversed(items)), 0, world) == shares[0]  # the same on every rank
+
+
+def test_megatron_cores_file_writer_hashes_large_items_beside_its_io(tmp_path, monkeypatch):
+    """With the feature installed, megatron-core's per-file writer defers the large items'
+    hashes to the helper threads, and its results leave (here: its results queue) with
+    every checksum in place."""
+    import queue
+    import threading
+
+    import megatron_ckpt_fixes
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        FileSystemWriterAsync)
+    from megatron_ckpt_fixes.checksums import hashing
+
+    threads = []
+
+    def recording(pieces, owner=None):
+        threads.append(threading.current_thread().name)
+        return hash_pieces(pieces, owner)
+
+    monkeypatch.setattr(hashing, "hash_pieces", recording)
+    tensors = [torch.randn(100_000), torch.arange(8.0), torch.randn(3, 50_000)]
+    items = [WriteItem(MetadataIndex(f"t{i}"), WriteItemType.TENSOR) for i in range(3)]
+    transforms = []
+    if "transforms" in PARAMS:
+        from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
+
+        transforms = [_StorageWriterTransforms()]
+    results, count = queue.Queue(), queue.Queue()
+    count.put(0)
+    bucket = (str(tmp_path / "__0_0.distcp"), "__0_0.distcp", ([], list(zip(items, tensors))))
+    megatron_ckpt_fixes.install(["checksums"])
+    try:
+        FileSystemWriterAsync.write_preloaded_data(transforms, 0, bucket, results, count, True)
+    finally:
+        megatron_ckpt_fixes.uninstall()
+    _, written = results.get_nowait()
+    assert len(threads) == 2 and all(t.startswith("mcf-checksum") for t in threads), threads
+    for result in written:
+        assert result.checksum == _checksum(tmp_path / "__0_0.distcp", result.storage_data)
