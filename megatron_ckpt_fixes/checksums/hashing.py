@@ -42,19 +42,27 @@ LARGE_PIECE = 64 << 10
 HELPERS = 2
 
 _pool: ThreadPoolExecutor | None = None
-_pool_pid: int | None = None
 _pool_lock = threading.Lock()
 _local = threading.local()
 
 
 def _executor() -> ThreadPoolExecutor:
-    """This process's helper threads (a forked writer process starts its own)."""
-    global _pool, _pool_pid
+    """This process's helper threads, started on first use."""
+    global _pool
     with _pool_lock:
-        if _pool is None or _pool_pid != os.getpid():
+        if _pool is None:
             _pool = ThreadPoolExecutor(HELPERS, thread_name_prefix="mcf-checksum")
-            _pool_pid = os.getpid()
         return _pool
+
+
+def _forget_parents_pool() -> None:
+    """A forked writer process has none of its parent's threads: it starts its own pool
+    (and a fresh lock, which a parent's thread may have held at the fork)."""
+    global _pool, _pool_lock
+    _pool, _pool_lock = None, threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_parents_pool)
 
 
 def _address(view: memoryview) -> int:

@@ -264,3 +264,25 @@ def test_megatron_cores_file_writer_hashes_large_items_beside_its_io(tmp_path, m
     assert len(threads) == 2 and all(t.startswith("mcf-checksum") for t in threads), threads
     for result in written:
         assert result.checksum == _checksum(tmp_path / "__0_0.distcp", result.storage_data)
+
+
+def _deferred_checksum_ok(path: str) -> bool:
+    """Write ITEMS' large tensor in a batch (helper threads) and check its checksum."""
+    import pathlib
+
+    _, results = _write_all(pathlib.Path(path), checksummed_write_item(_write_item), "c.distcp",
+                            deferred=True)
+    return all(getattr(r, CHECKSUM_ATTR) == _checksum(pathlib.Path(path) / "c.distcp",
+                                                      r.storage_data) for r in results)
+
+
+def test_a_forked_writer_process_starts_its_own_helper_threads(tmp_path):
+    """megatron-core 0.16 forks its writers, possibly from a process whose helper threads
+    already ran (the fork does not copy them): the child must not wait on them."""
+    import multiprocessing
+
+    assert _deferred_checksum_ok(str(tmp_path))  # this process's helpers exist now
+    child_dir = tmp_path / "child"
+    child_dir.mkdir()
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        assert pool.apply_async(_deferred_checksum_ok, (str(child_dir),)).get(timeout=120)
