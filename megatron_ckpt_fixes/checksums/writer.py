@@ -118,7 +118,7 @@ def checksummed_write_item(original: Callable[..., WriteResult]) -> Callable[...
             info = dataclasses.replace(result.storage_data,
                                        offset=start + result.storage_data.offset)
             return with_checksum(WriteResult(result.index, result.size_in_bytes, info),
-                                 (DEFAULT.name, checksum))
+                                 (DEFAULT.name, checksum) if written == info.length else None)
         batch = current_batch()
         tap = ItemTap(stream, owned_memory(data), deferred=batch is not None)
         new_args, new_kwargs = replaced(args, kwargs, stream_at, "stream", tap)
