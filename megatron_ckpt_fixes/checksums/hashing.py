@@ -112,7 +112,7 @@ class ItemTap:
             self.pieces.append(data)
             return
         view = memoryview(data)
-        if view.nbytes >= LARGE_PIECE and self.owned is not None:
+        if view.nbytes >= LARGE_PIECE and self.owned is not None and view.c_contiguous:
             start = _address(view)
             if self.owned[0] <= start and start + view.nbytes <= self.owned[1]:
                 self.pieces.append(view)
