@@ -13,12 +13,11 @@ import zlib
 
 import pytest
 import torch
+import xxhash
 from torch.distributed.checkpoint.filesystem import _write_item
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
-
-import xxhash
 
 from megatron_ckpt_fixes.checksums.algorithms import ALGORITHMS, DEFAULT, checksum_of_range
 from megatron_ckpt_fixes.checksums.hashing import ItemTap, hash_pieces, open_batch
