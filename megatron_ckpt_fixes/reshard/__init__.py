@@ -8,21 +8,26 @@ its id, gets a free slot there, and its embedding and optimizer rows move with i
 id that was reachable before is reachable after, with bitwise-identical rows.
 
 Reading order: :mod:`.table` (data model, validation) -> :mod:`.ownership` (who serves an id)
--> :mod:`.exchange` (all_to_all of rows) -> :mod:`.errors` (agreed failures) ->
-:mod:`.resharder` (the algorithm) -> :mod:`.checkpoint` (one table through DCP) ->
+-> :mod:`.exchange` (all_to_all of entries) -> :mod:`.saved_rows` (where rows are read) ->
+:mod:`.errors` (agreed failures) -> :mod:`.resharder` (the algorithm) -> :mod:`.checkpoint`
+(one table through DCP) ->
 :mod:`.torchrec_dmp` (every managed-collision table of a TorchRec model; imports TorchRec,
 so it is not imported here).
 """
 
-from .checkpoint import Column, LocalTable, load_table, saved_ranges, sharded_rows, table_state_dict
+from .checkpoint import (
+    CheckpointRows, Column, LocalTable, load_table, read_rows, saved_ranges, sharded_rows, table_state_dict,
+)
 from .errors import ReshardError
 from .ownership import BlockOwnership, KeyOwnership, ModuloOwnership
 from .resharder import ReshardReport, ReshardResult, ReshardSpec, SavedWindow, reshard
+from .saved_rows import SavedRows, TensorRows
 from .table import MISS_ID, SlotRanges, TableShard
 
 __all__ = [
     "MISS_ID",
     "BlockOwnership",
+    "CheckpointRows",
     "Column",
     "KeyOwnership",
     "LocalTable",
@@ -31,10 +36,13 @@ __all__ = [
     "ReshardReport",
     "ReshardResult",
     "ReshardSpec",
+    "SavedRows",
     "SavedWindow",
     "SlotRanges",
     "TableShard",
+    "TensorRows",
     "load_table",
+    "read_rows",
     "reshard",
     "saved_ranges",
     "sharded_rows",
