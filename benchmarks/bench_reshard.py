@@ -20,8 +20,8 @@ the two loads alternating in order. Each timed step runs between two barriers: i
 time is the slowest rank's. Also printed: CPU seconds of all ranks, peak RSS growth per rank
 (sampled every 2 ms; the destination tensors exist before) against the bytes of the rank's
 local shard (every buffer and row tensor of the table), and the share of the checkpoint in
-the page cache before each timed load (``fincore``). Cells are the median over the rounds
-and the range. After the first reshard each rank checks sampled ids it serves now: their
+the page cache before each timed load (``fincore``); garbage is collected before each step.
+Cells are the median over the rounds and the range. After the first reshard each rank checks sampled ids it serves now: their
 rows and optimizer rows bitwise the saved ones (the tests check every id).
 
 Not a test (no timings are asserted). ``--profile`` adds each rank's CPU profile of the
@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import logging
 import os
@@ -128,6 +129,7 @@ def timed(step: Callable[[], Any]) -> tuple[dict, Any]:
     """Run one collective step between barriers: wall (this rank's view of the slowest), CPU,
     page faults (fresh memory touched: the main cost of a load from the page cache), peak
     RSS growth."""
+    gc.collect()  # a collection of the previous step's garbage is not this step's cost
     dist.barrier()
     with PeakRss() as mem:
         t0, c0, f0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -174,12 +174,12 @@ def _row_bytes(tensor: torch.Tensor) -> int:
     return math.prod(tensor.shape[1:]) * tensor.element_size()
 
 
-def _window_buffers(table: LocalTable, n: int, then: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def _window_buffers(table: LocalTable, n: int, *then: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Scratch for ``n`` saved positions of every buffer of ``table``, carved out of one byte
-    buffer of at least ``then`` bytes that the rows are read through afterwards: the pages
-    touched by the window read are reused (a first touch costs more than the copy)."""
+    buffer of at least ``max(then)`` bytes that later steps reuse: pages touched by the
+    window read cost nothing the second time (a first touch costs more than a copy)."""
     sizes = [-(-n * _row_bytes(c.local) // 64) * 64 for c in table.buffers()]  # 64-byte aligned
-    arena = torch.empty(max(sum(sizes), then), dtype=torch.uint8)
+    arena = torch.empty(max(sum(sizes), *then), dtype=torch.uint8)
     views, offset = {}, 0
     for col, size in zip(table.buffers(), sizes):
         nbytes = n * _row_bytes(col.local)
@@ -212,9 +212,12 @@ def _read_window(checkpoint_id: str, table: LocalTable, rank: int, world: int) -
         windows = read_windows(saved, world)
         lo, hi = windows[rank], windows[rank + 1]
         step = "reading its window"
+        # Then the entries that arrive (as many as this rank has slots, unless it evicts)
+        # beside the window, then one saved chunk of rows; pages never written stay untouched.
+        entry_bytes = sum(_row_bytes(c.local) for c in table.buffers())
         chunk_rows = max(saved.size(c) for c in range(saved.world_size)) * \
             max((_row_bytes(r.local) for r in table.rows), default=0)
-        arena, buffers = _window_buffers(table, hi - lo, chunk_rows)  # pages not read stay untouched
+        arena, buffers = _window_buffers(table, hi - lo, (hi - lo + table.size) * entry_bytes + 64 * 8, chunk_rows)
         read_rows(checkpoint_id, {k: (lo, t) for k, t in buffers.items()})
     except (KeyboardInterrupt, SystemExit):
         raise
@@ -263,8 +266,8 @@ def load_table(checkpoint_id: str, table: LocalTable, *, ownership: KeyOwnership
     window = SavedWindow(local.start, buffers[table.ids.key], buffers[table.slots.key],
                          {m: buffers[c.key] for m, c in table.metadata.items()})
     if saved == target:
-        problems, real = window_problems(window, spec, rank, world)
-        elsewhere = real is not None and bool((real.owners != rank).any())
+        problems, sent = window_problems(window, spec, rank, world)
+        elsewhere = sent is not None and sent.elsewhere(rank)
         moved = agreement.agree(elsewhere, problems or None, f"loading table {name!r} by position", group,
                                 raise_as=lambda _what, reports: problems_error(name, reports))
         if not moved:

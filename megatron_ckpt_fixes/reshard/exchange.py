@@ -85,42 +85,62 @@ def _all_to_all(incoming: torch.Tensor, outgoing: torch.Tensor, recv: Sequence[i
     return finish
 
 
-def send_rows(columns: Sequence[torch.Tensor], dest: torch.Tensor, index: torch.Tensor | None = None,
-              group: Any = None) -> Received:
-    """Send row ``index[i]`` (default ``i``) of every column to rank ``dest[i]``. Collective.
+def _carve(into: torch.Tensor | None, shapes: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
+    """New tensors of the given dtypes and shapes, 64-byte aligned views of the byte buffer
+    ``into`` when they all fit (its pages may be warm), else fresh."""
+    sizes = [-(-math.prod(shape) * dtype.itemsize // 64) * 64 for dtype, shape in shapes]
+    if into is None or into.numel() < sum(sizes) or into.data_ptr() % 64:
+        return [torch.empty(shape, dtype=dtype) for dtype, shape in shapes]
+    out, offset = [], 0
+    for (dtype, shape), size in zip(shapes, sizes):
+        out.append(into[offset:offset + math.prod(shape) * dtype.itemsize].view(dtype).view(shape))
+        offset += size
+    return out
 
-    Rows keep their relative order per destination (stable). The columns' exchanges run
-    back to back and are waited for together (one wait, not one per column), except that a
-    column gathered into the shared send buffer waits for the previous one. Memory: the new
-    columns and at most one send buffer (the largest column's share), nothing global.
-    """
+
+def send_rows(columns: Sequence[torch.Tensor], dest: torch.Tensor, index: torch.Tensor | None = None,
+              group: Any = None, into: torch.Tensor | None = None) -> Received:
+    """Send row ``index[i]`` (default ``i``) of every column to rank ``dest[i]``. Collective.
+    Rows keep their relative order per destination (stable); see :func:`send_grouped`."""
     world = dist.get_world_size(group)
+    counts = torch.bincount(dest, minlength=world).tolist()
+    return send_grouped(columns, counts, grouping(dest, world, index), group, into)
+
+
+def send_grouped(columns: Sequence[torch.Tensor], counts: Sequence[int], index: torch.Tensor | None = None,
+                 group: Any = None, into: torch.Tensor | None = None) -> Received:
+    """Send rows ``index`` (default all) of every column, grouped by destination already:
+    the first ``counts[0]`` to rank 0, the next ``counts[1]`` to rank 1, ... Collective.
+
+    The columns' exchanges run back to back and are waited for together (one wait, not one
+    per column), except that a column gathered into the shared send buffer waits for the
+    previous one. The new columns are carved out of the byte buffer ``into`` when they fit.
+    Memory: the new columns and at most one send buffer (the largest column's share).
+    """
     device = collective_device(group)
-    order = grouping(dest, world, index)
-    sent = torch.bincount(dest, minlength=world)
+    sent = torch.tensor(list(counts), dtype=torch.int64)
     recv_counts = torch.empty_like(sent, device=device)
     dist.all_to_all_single(recv_counts, sent.to(device), group=group)
     recv, sent_list = recv_counts.tolist(), sent.tolist()
     arriving = sum(recv)
-    leaving = int(dest.numel())
-    staging = torch.empty(leaving * max((_row_bytes(c) for c in columns), default=0) if order is not None else 0,
+    leaving = sum(sent_list)
+    staging = torch.empty(leaving * max((_row_bytes(c) for c in columns), default=0) if index is not None else 0,
                           dtype=torch.uint8)
-    out, pending = [], []
-    for column in columns:
+    out = _carve(into, [(c.dtype, (arriving, *c.shape[1:])) for c in columns])
+    pending = []
+    for column, incoming in zip(columns, out):
         word = word_for([column])
         words = as_words(column, word)
         width = words.shape[1]
-        if order is None:
+        if index is None:
             outgoing = words[:leaving]
         else:
             while pending:  # the send buffer is about to be overwritten
                 pending.pop()()
             outgoing = staging[:leaving * width * word.itemsize].view(word).view(leaving, width)
-            torch.index_select(words, 0, order, out=outgoing)
-        incoming = torch.empty((arriving, *column.shape[1:]), dtype=column.dtype)
+            torch.index_select(words, 0, index, out=outgoing)
         pending.append(_all_to_all(as_words(incoming, word).reshape(-1), outgoing.reshape(-1),
                                    [n * width for n in recv], [n * width for n in sent_list], device, group))
-        out.append(incoming)
     for finish in pending:
         finish()
     return Received(out, recv)

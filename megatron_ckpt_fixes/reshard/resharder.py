@@ -31,7 +31,6 @@ untouched and raises the same :class:`~.errors.ReshardError` on every rank.
 from __future__ import annotations
 
 import bisect
-import dataclasses
 import logging
 import math
 from collections.abc import Mapping, Sequence
@@ -43,8 +42,9 @@ import torch.distributed as dist
 
 from ..compat.device import collective_device
 from .errors import check_problems, problem, require_same, run_agreed
-from .exchange import send_rows
+from .exchange import send_grouped, send_rows
 from .ownership import BlockOwnership, KeyOwnership
+from .routing import Route, route
 from .saved_rows import RowFormat, SavedRows
 from .table import MISS_ID, SlotRanges, TableShard
 
@@ -148,9 +148,12 @@ def _saved_rank_problems(key: str, rank: int, chunk: int, c_lo: int, ids: torch.
         i = int(bad.nonzero()[0])
         out.append(problem(key, rank, f"{int(bad.sum())} out-of-range slots in {where}, e.g. id "
                                       f"{int(ids[i])} at position {c_lo + i} maps to slot {int(slots[i])}"))
-    else:
-        uses = torch.bincount(slots - c_lo, minlength=n)
-        if bool((uses > 1).any()):
+    else:  # n slots in a range of n: all distinct iff every one is hit (a mask, not counts)
+        local = slots - c_lo
+        hit = torch.zeros(n, dtype=torch.bool)
+        hit[local] = True
+        if not bool(hit.all()):
+            uses = torch.bincount(local, minlength=n)
             out.append(problem(key, rank, f"saved slot {c_lo + int(uses.argmax())} of {where} is mapped "
                                           f"from {int(uses.max())} positions"))
     taken = (slots[:k] == c_hi - 1) if well_formed else (ids != MISS_ID) & (slots == c_hi - 1)
@@ -177,31 +180,8 @@ def _ids_problems(key: str, rank: int, where: str, c_lo: int, ids: torch.Tensor)
     return out
 
 
-@dataclass(frozen=True)
-class _Real:
-    """The real entries of a window, in window order: a prefix of each saved rank's
-    positions, and the rank that serves each. ``span``: the window's slice that holds them
-    when they are one prefix (one saved rank: nothing to copy), else ``index``."""
-
-    span: slice | None
-    index: torch.Tensor | None
-    owners: torch.Tensor
-
-    @classmethod
-    def of(cls, prefixes: Sequence[tuple[int, int]]) -> "_Real":
-        """From ``(offset in the window, count)`` per saved rank; owners still unknown."""
-        none = torch.empty(0, dtype=torch.int64)
-        if len(prefixes) == 1:
-            return cls(slice(prefixes[0][0], sum(prefixes[0])), None, none)
-        return cls(None, torch.cat([torch.arange(a, a + k) for a, k in prefixes] or [none]), none)
-
-    def take(self, column: torch.Tensor) -> torch.Tensor:
-        """The real rows of a window column: a view for one saved rank."""
-        return column[self.span] if self.index is None else column.index_select(0, self.index)
-
-
 def _window_problems(win: SavedWindow, spec: ReshardSpec, rank: int, world: int
-                     ) -> tuple[list[str], _Real | None]:
+                     ) -> tuple[list[str], Route | None]:
     """Everything wrong with this rank's saved window, and where its real entries are and
     who serves them (``None`` when the window is unusable)."""
     key = spec.key
@@ -228,14 +208,13 @@ def _window_problems(win: SavedWindow, spec: ReshardSpec, rank: int, world: int
             prefixes.append((c_lo - lo, k))
     if out:
         return out, None
-    real = _Real.of(prefixes)
-    real_ids = real.take(win.ids)
-    owners = spec.ownership.owner(real_ids, world)
-    wrong = (owners < 0) | (owners >= world)
-    if bool(wrong.any()):
-        out.append(problem(key, rank, f"ownership rule sends id {int(real_ids[wrong][0])} to rank "
-                                      f"{int(owners[wrong][0])}, outside [0, {world})"))
-    return out, dataclasses.replace(real, owners=owners)
+    sent = route(win.ids, prefixes, spec.ownership, world)
+    if sent.dest is not None:
+        wrong = (sent.dest < 0) | (sent.dest >= world)
+        if bool(wrong.any()):
+            out.append(problem(key, rank, f"ownership rule sends id {int(sent.take(win.ids)[wrong][0])} to "
+                                          f"rank {int(sent.dest[wrong][0])}, outside [0, {world})"))
+    return out, sent
 
 
 def _rows_problems(spec: ReshardSpec, rank: int, world: int, rows: SavedRows,
@@ -253,7 +232,7 @@ def _rows_problems(spec: ReshardSpec, rank: int, world: int, rows: SavedRows,
 
 def window_problems(win: SavedWindow, spec: ReshardSpec, rank: int, world: int,
                     rows: SavedRows | None = None, out_rows: Mapping[str, torch.Tensor] | None = None
-                    ) -> tuple[list[str], _Real | None]:
+                    ) -> tuple[list[str], Route | None]:
     """All checks of a saved window before anything moves, and where its real entries are
     and who serves them (see :func:`_window_problems`). Rank-local; a crash in a check is a
     problem too, to be agreed (:func:`~.errors.check_problems`), not a hang."""
@@ -298,14 +277,28 @@ class _Arrived:
     meta: list[torch.Tensor]
 
 
-def _to_owners(win: SavedWindow, real: _Real, meta_names: Sequence[str], group: Any) -> _Arrived:
-    """Step 2: every real entry of the window to the rank that serves its id (gathered on
-    the way out only when the window holds several saved ranks)."""
+def _after(buffer: torch.Tensor | None, tensors: Sequence[torch.Tensor]) -> torch.Tensor | None:
+    """The part of a byte buffer after the given tensors where they lie in it (all of it
+    when none does): memory that is free while they are in use."""
+    if buffer is None:
+        return None
+    base, size = buffer.data_ptr(), buffer.numel()
+    end = max((t.data_ptr() + t.nbytes - base for t in tensors if base <= t.data_ptr() < base + size), default=0)
+    return buffer[min(-(-end // 64) * 64, size):]
+
+
+def _to_owners(win: SavedWindow, sent: Route, meta_names: Sequence[str], scratch: torch.Tensor | None,
+               group: Any) -> _Arrived:
+    """Step 2: every real entry of the window to the rank that serves its id, received into
+    ``scratch`` beside the window when it fits."""
     columns = [win.slots, win.ids, *(win.metadata[m] for m in meta_names)]
-    if real.span is not None:
-        got = send_rows([c[real.span] for c in columns], real.owners, group=group)
+    into = _after(scratch, columns)
+    if sent.span is not None:
+        columns = [c[sent.span] for c in columns]
+    if sent.counts is not None:
+        got = send_grouped(columns, sent.counts, sent.index, group, into)
     else:
-        got = send_rows(columns, real.owners, real.index, group)
+        got = send_rows(columns, sent.dest, sent.index, group, into)
     old, ids, *meta = got.columns
     return _Arrived(old, ids, meta)
 
@@ -435,20 +428,21 @@ def reshard(win: SavedWindow, spec: ReshardSpec, rows: SavedRows, out_rows: Mapp
     (this rank's new ``[size, ...]`` row tensors, e.g. the live local embedding, by column
     name) and ``out_table`` (its id, slot and metadata buffers; new tensors when ``None``) are
     written in place, only after every check passed on every rank; slots no id takes keep
-    their rows. ``scratch``: a byte buffer the rows may be read through, e.g. the window's
-    own memory (the window is not read after step 2). Raises :class:`ReshardError` on every
-    rank if any rank finds a problem.
+    their rows. ``scratch``: a byte buffer for the entries that arrive (beside the window
+    where the window lies in it) and then the rows read, e.g. the one the window was read
+    into: pages touched once cost less than fresh ones. Raises :class:`ReshardError` on
+    every rank if any rank finds a problem.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     key = spec.key
     meta_names = sorted(win.metadata)
-    problems, real = window_problems(win, spec, rank, world, rows, out_rows)
+    problems, sent = window_problems(win, spec, rank, world, rows, out_rows)
     require_same(key, "the reshard spec and column names", (spec, meta_names, sorted(out_rows)), group, problems)
 
-    arrived = _to_owners(win, real, meta_names, group)
+    arrived = _to_owners(win, sent, meta_names, scratch, group)
     placed = _place(arrived, spec, rank, meta_names, group)
     received, kept, evicted = int(arrived.ids.numel()), int(placed.ids.numel()), int(placed.evicted_ids.numel())
-    del arrived, real
+    del arrived, sent
     totals = torch.tensor([evicted, kept], dtype=torch.int64, device=collective_device(group))
     summed = dist.all_reduce(totals, group=group, async_op=True)  # for the report: no barrier of its own
     start, size = spec.target.start(rank), spec.target.size(rank)

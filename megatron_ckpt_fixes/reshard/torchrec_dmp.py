@@ -67,6 +67,18 @@ class TorchRecRouting:
         # ``position[i]``: where id i lands in the bucketized values, which are grouped by rank.
         return torch.searchsorted(torch.cumsum(lengths, 0), position, right=True)
 
+    def cuts(self, world_size: int) -> tuple[int, ...] | None:
+        """The ids of one bucket (a block of ``ceil(input_hash_size / buckets)`` ids) go to
+        one rank, the one the FBGEMM op gives the bucket's first id; by ranges when those
+        ranks do not decrease."""
+        block = -(-self.input_hash_size // self.buckets)
+        end = min(block * self.buckets, (1 << 63) - 1)
+        ranks = self.owner(torch.arange(self.buckets) * block, world_size).tolist()
+        if ranks != sorted(ranks):
+            return None
+        return tuple(min(next((b for b, r in enumerate(ranks) if r >= rank), self.buckets) * block, end)
+                     for rank in range(world_size)) + (end,)
+
 
 @dataclass(frozen=True)
 class _Table:

@@ -13,6 +13,7 @@ from megatron_ckpt_fixes.reshard.exchange import grouping, send_rows, word_for
 from megatron_ckpt_fixes.reshard.resharder import (
     ReshardSpec, _Arrived, _keep_mask, _place, _runs, _saved_rank_problems, read_windows,
 )
+from megatron_ckpt_fixes.reshard.routing import route
 from reshard_upstream import slot_routed_tables
 
 
@@ -188,3 +189,34 @@ def test_words_are_ones_every_backend_exchanges_never_int16():
     assert word_for([torch.zeros(5, dtype=torch.float16)]) == torch.uint8
     assert word_for([torch.zeros(5, 3)]) == torch.int32
     assert word_for([torch.zeros(5, 8), torch.zeros(5, dtype=torch.int64)]) == torch.int64
+
+
+@pytest.mark.parametrize("ownership", [BlockOwnership(10_000), BlockOwnership(97), BlockOwnership()])
+@pytest.mark.parametrize("world", [1, 3, 4])
+def test_block_cuts_route_like_owner(ownership, world):
+    cuts = ownership.cuts(world)
+    g = torch.Generator().manual_seed(world)
+    inner = torch.tensor(cuts[1:-1], dtype=torch.int64)
+    ids = torch.cat([torch.randint(0, min(cuts[-1], 1 << 62), (2000,), generator=g), inner, inner - 1,
+                     torch.tensor([0, cuts[-1] - 1])])
+    assert torch.equal(torch.searchsorted(torch.tensor(cuts), ids, right=True) - 1, ownership.owner(ids, world))
+
+
+def test_route_by_ranges_finds_each_ranks_part_without_owners_per_id():
+    """Two saved ranks in one window (real prefixes at 0 and 10), block routing by 100s."""
+    ids = torch.tensor([5, 60, 130, 140, MISS_ID] + [MISS_ID] * 5 + [150, 210, 260, MISS_ID, MISS_ID])
+    sent = route(ids, [(0, 4), (10, 3)], BlockOwnership(300), 3)
+    assert sent.dest is None and sent.counts == [2, 3, 2]
+    assert sent.take(ids).tolist() == [5, 60, 130, 140, 150, 210, 260]
+    one = route(ids, [(10, 3)], BlockOwnership(300), 3)
+    assert one.span == slice(10, 13) and one.index is None and one.counts == [0, 1, 2]
+    assert one.elsewhere(1) and not route(ids, [(0, 2)], BlockOwnership(300), 3).elsewhere(0)
+
+
+def test_route_without_ranges_gives_each_ids_owner():
+    ids = torch.tensor([5, 60, 130, MISS_ID, 150, 211, MISS_ID])
+    sent = route(ids, [(0, 3), (4, 2)], ModuloOwnership(), 3)
+    assert sent.counts is None and sent.index.tolist() == [0, 1, 2, 4, 5]
+    assert sent.dest.tolist() == [2, 0, 1, 0, 1]
+    outside = route(torch.tensor([5, 400, MISS_ID]), [(0, 2)], BlockOwnership(300), 3)  # 400: past the blocks
+    assert outside.counts is None and outside.dest.tolist() == [0, 400 % 3]
