@@ -42,9 +42,10 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 from .. import agreement
 from .errors import ReshardError, problem, problems_error, run_agreed
 from .ownership import BlockOwnership, KeyOwnership
-from .resharder import ReshardReport, ReshardSpec, SavedWindow, read_windows, reshard, window_problems
+from .resharder import ReshardReport, reshard
 from .saved_rows import RowFormat
 from .table import MISS_ID, SlotRanges, TableShard
+from .window import ReshardSpec, SavedWindow, read_windows, window_problems
 
 logger = logging.getLogger(__name__)
 

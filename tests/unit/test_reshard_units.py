@@ -10,9 +10,8 @@ from megatron_ckpt_fixes.reshard import (
     MISS_ID, BlockOwnership, ModuloOwnership, ReshardError, SlotRanges, TableShard,
 )
 from megatron_ckpt_fixes.reshard.exchange import grouping, send_rows, word_for
-from megatron_ckpt_fixes.reshard.resharder import (
-    ReshardSpec, _Arrived, _keep_mask, _place, _runs, _saved_rank_problems, read_windows,
-)
+from megatron_ckpt_fixes.reshard.resharder import _Arrived, _keep_mask, _place, _runs
+from megatron_ckpt_fixes.reshard.window import ReshardSpec, _saved_rank_problems, read_windows
 from megatron_ckpt_fixes.reshard.routing import route
 from reshard_upstream import slot_routed_tables
 
