@@ -41,6 +41,7 @@ from torch.distributed.checkpoint.planner_helpers import create_read_items_for_c
 
 from .. import agreement
 from .errors import ReshardError, problem, problems_error, run_agreed
+from .exchange import carve
 from .ownership import BlockOwnership, KeyOwnership
 from .resharder import ReshardReport, reshard
 from .saved_rows import RowFormat
@@ -175,18 +176,13 @@ def _row_bytes(tensor: torch.Tensor) -> int:
     return math.prod(tensor.shape[1:]) * tensor.element_size()
 
 
-def _window_buffers(table: LocalTable, n: int, *then: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Scratch for ``n`` saved positions of every buffer of ``table``, carved out of one byte
-    buffer of at least ``max(then)`` bytes that later steps reuse: pages touched by the
-    window read cost nothing the second time (a first touch costs more than a copy)."""
-    sizes = [-(-n * _row_bytes(c.local) // 64) * 64 for c in table.buffers()]  # 64-byte aligned
-    arena = torch.empty(max(sum(sizes), *then), dtype=torch.uint8)
-    views, offset = {}, 0
-    for col, size in zip(table.buffers(), sizes):
-        nbytes = n * _row_bytes(col.local)
-        views[col.key] = arena[offset:offset + nbytes].view(col.local.dtype).view(n, *col.local.shape[1:])
-        offset += size
-    return arena, views
+def _window_buffers(table: LocalTable, n: int, size: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Scratch for ``n`` saved positions of every buffer of ``table``, at the front of one
+    byte buffer of at least ``size`` bytes that the later steps reuse (:func:`~.exchange.carve`)."""
+    shapes = [(c.local.dtype, (n, *c.local.shape[1:])) for c in table.buffers()]
+    arena = torch.empty(max(sum(-(-math.prod(s) * d.itemsize // 64) * 64 for d, s in shapes), size),
+                        dtype=torch.uint8)
+    return arena, {c.key: t for c, t in zip(table.buffers(), carve(arena, shapes))}
 
 
 @dataclass(frozen=True)
@@ -204,7 +200,7 @@ class _Window:
 
 def _read_window(checkpoint_id: str, table: LocalTable, rank: int, world: int) -> _Window:
     """Rank-local: the saved layout from the checkpoint's metadata and this rank's window
-    (whole saved ranks, :func:`~.resharder.read_windows`); a failure becomes a problem."""
+    (whole saved ranks, :func:`~.window.read_windows`); a failure becomes a problem."""
     step = "reading the metadata"
     try:
         metadata = dcp.FileSystemReader(checkpoint_id).read_metadata()
@@ -213,12 +209,14 @@ def _read_window(checkpoint_id: str, table: LocalTable, rank: int, world: int) -
         windows = read_windows(saved, world)
         lo, hi = windows[rank], windows[rank + 1]
         step = "reading its window"
-        # Then the entries that arrive (as many as this rank has slots, unless it evicts)
-        # beside the window, then one saved chunk of rows; pages never written stay untouched.
+        # The buffer later holds the entries that arrive (as many as this rank has slots,
+        # unless it evicts) beside the window, then one saved chunk of a row column; pages
+        # never written stay untouched.
         entry_bytes = sum(_row_bytes(c.local) for c in table.buffers())
-        chunk_rows = max(saved.size(c) for c in range(saved.world_size)) * \
+        entries = (hi - lo + table.size) * entry_bytes + 64 * len(table.buffers()) * 2
+        chunk = max(saved.size(c) for c in range(saved.world_size)) * \
             max((_row_bytes(r.local) for r in table.rows), default=0)
-        arena, buffers = _window_buffers(table, hi - lo, (hi - lo + table.size) * entry_bytes + 64 * 8, chunk_rows)
+        arena, buffers = _window_buffers(table, hi - lo, max(entries, chunk))
         read_rows(checkpoint_id, {k: (lo, t) for k, t in buffers.items()})
     except (KeyboardInterrupt, SystemExit):
         raise

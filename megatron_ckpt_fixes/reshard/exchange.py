@@ -85,9 +85,10 @@ def _all_to_all(incoming: torch.Tensor, outgoing: torch.Tensor, recv: Sequence[i
     return finish
 
 
-def _carve(into: torch.Tensor | None, shapes: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
-    """New tensors of the given dtypes and shapes, 64-byte aligned views of the byte buffer
-    ``into`` when they all fit (its pages may be warm), else fresh."""
+def carve(into: torch.Tensor | None, shapes: Sequence[tuple[torch.dtype, tuple[int, ...]]]) -> list[torch.Tensor]:
+    """New tensors of the given dtypes and shapes: 64-byte aligned views, front to back, of
+    the byte buffer ``into`` when they all fit (pages touched before cost less than fresh
+    ones: a first touch costs more than a copy), else fresh."""
     sizes = [-(-math.prod(shape) * dtype.itemsize // 64) * 64 for dtype, shape in shapes]
     if into is None or into.numel() < sum(sizes) or into.data_ptr() % 64:
         return [torch.empty(shape, dtype=dtype) for dtype, shape in shapes]
@@ -126,7 +127,7 @@ def send_grouped(columns: Sequence[torch.Tensor], counts: Sequence[int], index: 
     leaving = sum(sent_list)
     staging = torch.empty(leaving * max((_row_bytes(c) for c in columns), default=0) if index is not None else 0,
                           dtype=torch.uint8)
-    out = _carve(into, [(c.dtype, (arriving, *c.shape[1:])) for c in columns])
+    out = carve(into, [(c.dtype, (arriving, *c.shape[1:])) for c in columns])
     pending = []
     for column, incoming in zip(columns, out):
         word = word_for([column])
