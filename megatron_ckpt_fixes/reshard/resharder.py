@@ -140,8 +140,9 @@ class _Run:
 
 
 def _runs(old: torch.Tensor, saved: SlotRanges, slot_of_kept: torch.Tensor) -> list[_Run]:
-    """Cut the kept entries (arrival order, saved slots ``old``) into one run per saved rank
-    and write each entry's local slot into ``slot_of_kept``. A saved position's slot lies in
+    """Cut the kept entries (arrival order, saved slots ``old``, overwritten with their
+    slots local to their saved rank) into one run per saved rank and write each entry's
+    local slot into ``slot_of_kept``. A saved position's slot lies in
     its saved rank's range (checked) and entries arrive in position order, so the entries of
     a saved rank are contiguous; inside a run, saved slots are distinct (checked), so
     marking them in a mask of the saved rank's size sorts them in one pass, and the running
@@ -153,7 +154,7 @@ def _runs(old: torch.Tensor, saved: SlotRanges, slot_of_kept: torch.Tensor) -> l
     for c, (first, end) in enumerate(zip([0, *ends], [*ends, n])):
         if first == end:
             continue
-        local = old[first:end] - saved.start(c)
+        local = old[first:end].sub_(saved.start(c))  # in place: no temporary of the run's size
         used = torch.zeros(saved.size(c), dtype=torch.bool)
         used[local] = True
         torch.add(used.cumsum(0, dtype=torch.int32).index_select(0, local), first - 1, out=slot_of_kept[first:end])
@@ -175,7 +176,8 @@ class _Placement:
 
 def _place(arrived: _Arrived, spec: ReshardSpec, rank: int, meta_names: Sequence[str], group: Any
            ) -> _Placement:
-    """Step 3: refuse duplicate ids (agreed), evict what does not fit, assign local slots."""
+    """Step 3: refuse duplicate ids (agreed), evict what does not fit, assign local slots.
+    Consumes ``arrived.old`` (:func:`_runs` reuses its memory)."""
     key, ids = spec.key, arrived.ids
     by_id = None if bool((ids[1:] > ids[:-1]).all()) else torch.sort(ids, stable=True).indices
     sorted_ids = _take(ids, by_id)

@@ -106,7 +106,7 @@ def test_runs_cut_by_saved_rank_and_follow_the_saved_slots():
     saved = SlotRanges((0, 10, 25, 30))
     old = torch.tensor([3, 7, 1, 20, 12, 11, 29, 26])
     slot_of_kept = torch.empty(8, dtype=torch.int64)
-    runs = _runs(old, saved, slot_of_kept)
+    runs = _runs(old.clone(), saved, slot_of_kept)  # _runs overwrites its input
     assert [(r.chunk, r.first, r.end, r.rows.tolist()) for r in runs] == [
         (0, 0, 3, [1, 3, 7]), (1, 3, 6, [1, 2, 10]), (2, 6, 8, [1, 4])]
     assert slot_of_kept.tolist() == [1, 2, 0, 5, 4, 3, 7, 6]
@@ -129,12 +129,14 @@ def test_place_sorted_arrivals_keep_their_order_and_get_slots_by_saved_slot():
 
 
 def test_place_sorts_mixed_arrivals_refuses_duplicates_and_evicts_lowest_scores():
-    arrived = _Arrived(torch.tensor([4, 2, 15, 11]), torch.tensor([30, 6, 5, 31]), [torch.tensor([9, 1, 7, 8])])
-    placed = _place(arrived, _spec(SlotRanges((0, 20))), 0, ["counts"], None)
+    def arrived() -> _Arrived:  # _place consumes its saved slots
+        return _Arrived(torch.tensor([4, 2, 15, 11]), torch.tensor([30, 6, 5, 31]), [torch.tensor([9, 1, 7, 8])])
+
+    placed = _place(arrived(), _spec(SlotRanges((0, 20))), 0, ["counts"], None)
     assert placed.ids.tolist() == [5, 6, 30, 31] and placed.meta[0].tolist() == [7, 1, 9, 8]
     by_id = dict(zip(placed.ids.tolist(), placed.slots.tolist()))
     assert by_id == {30: 1, 6: 0, 5: 3, 31: 2}  # each id keeps the rank of its saved slot in its run
-    small = _place(arrived, _spec(SlotRanges((0, 3)), "counts"), 0, ["counts"], None)  # 2 usable slots
+    small = _place(arrived(), _spec(SlotRanges((0, 3)), "counts"), 0, ["counts"], None)  # 2 usable slots
     assert small.ids.tolist() == [30, 31] and small.evicted_ids.tolist() == [5, 6]
     assert [(r.chunk, r.first, r.end, r.rows.tolist()) for r in small.runs] == [(0, 0, 1, [4]), (1, 1, 2, [1])]
     twice = _Arrived(torch.tensor([4, 2]), torch.tensor([30, 30]), [torch.tensor([1, 1])])
