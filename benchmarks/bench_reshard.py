@@ -26,7 +26,8 @@ rows and optimizer rows bitwise the saved ones (the tests check every id).
 
 Not a test (no timings are asserted). ``--profile`` adds each rank's CPU profile of the
 first reshard. Run: ``python benchmarks/bench_reshard.py [--torchrec]`` (a few minutes on 2
-cores; ``--slots 30000000`` for the 30 M table: about 2.5 GiB per rank).
+cores; with ``--torchrec --slots 30000000`` about 3 GiB per rank at the peak, 9-11 GiB in
+all).
 """
 
 from __future__ import annotations
@@ -142,8 +143,12 @@ def timed(step: Callable[[], Any]) -> tuple[dict, Any]:
 
 
 def all_to_all_floor(nbytes: int) -> None:
-    """``nbytes`` of this rank through all_to_all_single, split evenly over the ranks."""
+    """``nbytes`` through all_to_all_single on every rank (the largest rank's shard: every rank
+    runs the same exchanges), split evenly over the ranks."""
     world = dist.get_world_size()
+    largest = torch.tensor([nbytes], dtype=torch.int64)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    nbytes = int(largest)
     piece = max(world, min(FLOOR_PIECE, nbytes) // world * world)
     send, recv = torch.ones(piece, dtype=torch.uint8), torch.empty(piece, dtype=torch.uint8)
     for _ in range(-(-nbytes // piece)):
@@ -161,7 +166,28 @@ def _generic_table(cfg: Config, ranges: SlotRanges, rank: int) -> LocalTable:
                       [Column(k, torch.zeros(size, cfg.dim)) for k in (EMB, OPT)])
 
 
-class GenericTable:
+class BenchTable:
+    """One rank's table at one world size, as each benchmark measures it."""
+
+    def state(self) -> dict:
+        """What ``dcp.save``/``dcp.load`` take (the table's tensors, in place)."""
+        raise NotImplementedError
+
+    def save(self, ckpt: str) -> None:
+        dcp.save(self.state(), checkpoint_id=ckpt)
+
+    def plain(self, ckpt: str) -> None:
+        """A plain positional DCP load: what DCP alone reads."""
+        dcp.load(self.state(), checkpoint_id=ckpt)
+
+    def after_plain(self) -> None:
+        """Undo what a plain load breaks for the next step (untimed)."""
+
+    def check_state(self) -> None:
+        """The owner's own validation after a reshard."""
+
+
+class GenericTable(BenchTable):
     """The generic table at one world size: this rank's ``LocalTable``."""
 
     def __init__(self, cfg: Config, rank: int, world: int) -> None:
@@ -184,12 +210,6 @@ class GenericTable:
     def state(self) -> dict:
         return table_state_dict(self.table, self.cfg.slots)
 
-    def save(self, ckpt: str) -> None:
-        dcp.save(self.state(), checkpoint_id=ckpt)
-
-    def plain(self, ckpt: str) -> None:
-        dcp.load(self.state(), checkpoint_id=ckpt)
-
     def reshard(self, ckpt: str) -> tuple[int, int]:
         report = load_table(ckpt, self.table, ownership=BlockOwnership(self.cfg.hash_size))
         return report.kept_total, report.evicted_total
@@ -198,7 +218,7 @@ class GenericTable:
         return sum(c.local.nbytes for c in (*self.table.buffers(), *self.table.rows))
 
 
-class TorchRecTable:
+class TorchRecTable(BenchTable):
     """The TorchRec model of the tests at one world size (``--torchrec``)."""
 
     def __init__(self, cfg: Config, rank: int, world: int) -> None:
@@ -235,12 +255,6 @@ class TorchRecTable:
     def state(self) -> dict:
         return self.tm.state_dict(self.model)
 
-    def save(self, ckpt: str) -> None:
-        dcp.save(self.state(), checkpoint_id=ckpt)
-
-    def plain(self, ckpt: str) -> None:
-        dcp.load(self.state(), checkpoint_id=ckpt)
-
     def after_plain(self) -> None:
         self.mc._output_segments_tensor.copy_(self.segments)
 
@@ -251,8 +265,7 @@ class TorchRecTable:
         return report.kept_total, report.evicted_total
 
     def check_state(self) -> None:
-        state = self.state()
-        self.model.load_state_dict(state["model"])  # TorchRec's validate_state passes
+        self.model.load_state_dict(self.state()["model"])  # TorchRec's validate_state passes
 
     def shard_bytes(self) -> int:
         mc = self.mc
@@ -260,7 +273,7 @@ class TorchRecTable:
         return sum(t.nbytes for t in (*buffers, *self.tm.table_rows(self.model)))
 
 
-def _table(cfg: Config, rank: int, world: int) -> GenericTable | TorchRecTable:
+def _table(cfg: Config, rank: int, world: int) -> BenchTable:
     torch.set_num_threads(1)
     return TorchRecTable(cfg, rank, world) if cfg.torchrec else GenericTable(cfg, rank, world)
 
@@ -284,11 +297,9 @@ def save_job(rank: int, world: int, ckpt: str, cfg: Config) -> dict:
     return {"ids": ids[pick].tolist(), "emb": emb[local].tolist(), "opt": opt[local].tolist()}
 
 
-def _check(table: GenericTable | TorchRecTable, cfg: Config, rank: int, world: int,
-           samples: Sequence[dict]) -> tuple[int, int]:
+def _check(table: BenchTable, cfg: Config, rank: int, world: int, samples: Sequence[dict]) -> tuple[int, int]:
     """Sampled ids this rank serves now: found, with their saved rows bitwise. (checked, wrong)"""
-    if isinstance(table, TorchRecTable):
-        table.check_state()
+    table.check_state()
     shard, emb, opt = table.lookup()
     checked = wrong = 0
     for sample in samples:
@@ -307,9 +318,8 @@ def load_job(rank: int, world: int, ckpt: str, cfg: Config, samples: Sequence[di
              profile: bool) -> dict:
     """A warm-up plain load, then ``repeats`` rounds of plain load, floor and reshard."""
     table = _table(cfg, rank, world)
-    after_plain = getattr(table, "after_plain", lambda: None)
     table.plain(ckpt)  # warm-up: page cache and code paths, for both loads
-    after_plain()
+    table.after_plain()
     shard = table.shard_bytes()
     rounds, checked, wrong, kept, evicted, profile_text = [], 0, 0, 0, 0, ""
     for r in range(repeats):
@@ -319,7 +329,7 @@ def load_job(rank: int, world: int, ckpt: str, cfg: Config, samples: Sequence[di
             resident[what] = cache_resident(ckpt) if rank == 0 else None
             if what == "plain":
                 results["plain"], _ = timed(lambda: table.plain(ckpt))
-                after_plain()
+                table.after_plain()
             else:
                 prof = cProfile.Profile(time.process_time) if profile and r == 0 else None
                 results["reshard"], (kept, evicted) = timed(

@@ -142,11 +142,11 @@ class _Run:
 def _runs(old: torch.Tensor, saved: SlotRanges, slot_of_kept: torch.Tensor) -> list[_Run]:
     """Cut the kept entries (arrival order, saved slots ``old``, overwritten with their
     slots local to their saved rank) into one run per saved rank and write each entry's
-    local slot into ``slot_of_kept``. A saved position's slot lies in
-    its saved rank's range (checked) and entries arrive in position order, so the entries of
-    a saved rank are contiguous; inside a run, saved slots are distinct (checked), so
-    marking them in a mask of the saved rank's size sorts them in one pass, and the running
-    count of the mask is each one's rank."""
+    local slot into ``slot_of_kept``. A saved position's slot lies in its saved rank's
+    range (checked) and entries arrive in position order, so the entries of a saved rank
+    are contiguous; inside a run, saved slots are distinct (checked), so marking them in a
+    mask of the saved rank's size sorts them in one pass, and the running count of the mask
+    is each one's rank."""
     n = int(old.numel())
     # "old[i] >= bound" is monotone in i, so each run's end is a binary search (no pass).
     ends = [bisect.bisect_left(range(n), True, key=lambda i, b=b: int(old[i]) >= b) for b in saved.bounds[1:-1]]
