@@ -68,7 +68,7 @@ def test_every_patch_names_why_it_exists(clean_install):
     assert all(why for why in clean_install.installed().values())
 
 
-@pytest.mark.parametrize("found", ["0.15.3", "0.20.0", "1.0.0"])
+@pytest.mark.parametrize("found", ["0.15.3", "0.21.0", "1.0.0"])
 def test_unsupported_megatron_core_is_refused_before_patching(clean_install, monkeypatch, found):
     monkeypatch.setattr(versions, "mcore_version", lambda: Version(found))
     before = _snapshot()
