@@ -24,6 +24,7 @@ import os
 import pickle
 import tempfile
 import typing
+from pathlib import Path
 
 import pytest
 import torch
@@ -133,10 +134,11 @@ def _object_keys(ckpt: str) -> set[str]:
 
 def _upstream_has_the_flag() -> bool:
     """Read from the installed source, not imported: megatron.training is heavy and global."""
-    spec = importlib.util.find_spec("megatron.training.checkpointing") \
-        if importlib.util.find_spec("megatron.training") else None
-    return spec is not None and "def _localize_redundant_extra_states(" in \
-        open(spec.origin, encoding="utf-8").read()
+    spec = importlib.util.find_spec("megatron.training")
+    sources = [Path(d) / "checkpointing.py" for d in (spec.submodule_search_locations or [])] \
+        if spec else []
+    return any(p.is_file() and "def _localize_redundant_extra_states(" in p.read_text()
+               for p in sources)
 
 
 pytestmark = pytest.mark.skipif(not _upstream_has_the_flag(), reason="Megatron-LM's training package "
