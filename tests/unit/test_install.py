@@ -14,6 +14,7 @@ import megatron_ckpt_fixes
 from megatron_ckpt_fixes import FEATURES, OPTIONAL_FEATURES, UnsupportedVersionError
 from megatron_ckpt_fixes._patching import _MISSING, Patch, PatchSet, _raw, definer, resolve
 from megatron_ckpt_fixes.compat import versions
+from megatron_ckpt_fixes.structure import cached_save
 
 ALL_FEATURES = FEATURES + OPTIONAL_FEATURES
 
@@ -150,6 +151,53 @@ def test_a_renamed_strategy_attribute_is_refused(clean_install, monkeypatch, str
     assert f"no attribute {attr!r}" in str(err.value)
     if "cache" in attr or attr.startswith("validated"):
         assert f"attribute '{attr}_v2', which looks like a cache" in str(err.value)
+    assert _untouched(before)
+
+
+def _fresh_wrapper():
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelSaveStrategyWrapper)
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    return FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy("torch_dist", 1), None)
+
+
+needs_pg_cache = pytest.mark.skipif(not hasattr(_fresh_wrapper(), "pg_cache_path"),
+                                    reason="this megatron-core has no pg_cache_path (< 0.20)")
+
+
+@needs_pg_cache
+@pytest.mark.parametrize("attr", ["pg_cache_path", "pg_cache_create"])
+def test_a_renamed_distribution_cache_setting_is_refused(clean_install, monkeypatch, attr):
+    """megatron-core >= 0.20's distribution memo: a renamed setting is an unknown cache."""
+    cls = resolve("megatron.core.dist_checkpointing.strategies.fully_parallel:"
+                  "FullyParallelSaveStrategyWrapper")
+    original_init = cls.__init__
+
+    def renamed_init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        setattr(self, f"{attr}_v2", vars(self).pop(attr))
+
+    monkeypatch.setattr(cls, "__init__", renamed_init)
+    before = _snapshot()
+    with pytest.raises(UnsupportedVersionError) as err:
+        clean_install.install(["structure"])
+    assert f"attribute '{attr}_v2', which looks like a cache" in str(err.value)
+    assert _untouched(before)
+
+
+@needs_pg_cache
+@pytest.mark.parametrize("symbol", cached_save._PG_CACHE_READS)
+def test_the_distribution_memo_is_required_where_the_wrapper_has_a_cache_path(
+        clean_install, monkeypatch, symbol):
+    """What the reset of megatron-core >= 0.20's memo reads is checked like any symbol."""
+    module, _, name = symbol.partition(":")
+    before = _snapshot()
+    monkeypatch.delattr(resolve(module), name)
+    with pytest.raises(UnsupportedVersionError) as err:
+        clean_install.install(["structure"])
+    assert symbol in str(err.value) and "nothing was patched" in str(err.value)
+    monkeypatch.undo()
     assert _untouched(before)
 
 
