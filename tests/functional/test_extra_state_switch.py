@@ -85,44 +85,48 @@ def _same(a, b) -> bool:
     return isinstance(b, torch.Tensor) and a.dtype == b.dtype and torch.equal(a, b)
 
 
-def switch_worker(rank: int, ws: int, features: list[str] | None, before: bool,
-                  after: bool) -> dict:
+def _run_switch(rank: int, root: str, strategy_dir: str, before: bool, after: bool) -> dict:
     """Save with the ``_extra_state`` kept (``before``/``after``) or dropped; load the last."""
-    import megatron_ckpt_fixes
     from megatron.core import dist_checkpointing as dc
     from megatron.core.dist_checkpointing.serialization import get_default_save_sharded_strategy
 
-    megatron_ckpt_fixes.install(features)
     strategy = get_default_save_sharded_strategy()
     strategy.use_cached_ckpt_structure = True  # --ckpt-assume-constant-structure
-    out: dict = {"save_error": None, "load_error": None, "exact": None,
-                 "written": []}
+    out: dict = {"save_error": None, "load_error": None, "exact": None, "written": []}
+    kept = [before] * SAVES_EACH + [after] * SAVES_EACH
+    for idx, keep in enumerate(kept):
+        ckpt = os.path.join(root, strategy_dir, f"iter_{idx}")
+        if rank == 0:
+            os.makedirs(ckpt)
+        dist.barrier()
+        try:
+            dc.save(state_dict(rank, keep, idx), ckpt, strategy,
+                    validate_access_integrity=idx == 0)
+        except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException too
+            out["save_error"] = f"{type(exc).__name__}: {exc}"
+            return out
+        out["written"].append(KEY in _object_keys(ckpt))
+    try:
+        loaded = dc.load(state_dict(rank, after, None), ckpt)
+    except BaseException as exc:  # noqa: BLE001
+        out["load_error"] = f"{type(exc).__name__}: {exc}"
+        return out
+    want = state_dict(rank, after, len(kept) - 1)["model"]
+    want[KEY] = extra_state(after, len(kept) - 1)
+    out["exact"] = _same(loaded["model"], {k: getattr(v, "data", v) for k, v in want.items()})
+    return out
+
+
+def switches_worker(rank: int, ws: int, features: list[str] | None,
+                    switches: list[str]) -> dict:
+    """Each switch of ``SWITCHES`` in turn, with its own strategy (one process group)."""
+    import megatron_ckpt_fixes
+
+    megatron_ckpt_fixes.install(features)
     with tempfile.TemporaryDirectory() as tmp:
         root = [tmp]
         dist.broadcast_object_list(root, src=0)
-        kept = [before] * SAVES_EACH + [after] * SAVES_EACH
-        for idx, keep in enumerate(kept):
-            ckpt = os.path.join(root[0], f"iter_{idx}")
-            if rank == 0:
-                os.makedirs(ckpt)
-            dist.barrier()
-            try:
-                dc.save(state_dict(rank, keep, idx), ckpt, strategy,
-                        validate_access_integrity=idx == 0)
-            except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException too
-                out["save_error"] = f"{type(exc).__name__}: {exc}"
-                return out
-            out["written"].append(KEY in _object_keys(ckpt))
-        try:
-            loaded = dc.load(state_dict(rank, after, None), ckpt)
-        except BaseException as exc:  # noqa: BLE001
-            out["load_error"] = f"{type(exc).__name__}: {exc}"
-            return out
-        want = state_dict(rank, after, len(kept) - 1)["model"]
-        want[KEY] = extra_state(after, len(kept) - 1)
-        want = {k: getattr(v, "data", v) for k, v in want.items()}
-        out["exact"] = _same(loaded["model"], want)
-    return out
+        return {name: _run_switch(rank, root[0], name, *SWITCHES[name]) for name in switches}
 
 
 def _object_keys(ckpt: str) -> set[str]:
@@ -144,33 +148,40 @@ def _upstream_has_the_flag() -> bool:
 pytestmark = pytest.mark.skipif(not _upstream_has_the_flag(), reason="Megatron-LM's training package "
                                 "has no _localize_redundant_extra_states (before main)")
 
+#: switch -> (kept before, kept after)
 SWITCHES = {"dropped_then_kept": (False, True), "kept_then_dropped": (True, False)}
 
 
-@pytest.mark.parametrize("switch", SWITCHES)
-def test_extra_state_switch_saves_and_loads_exactly(switch):
-    before, after = SWITCHES[switch]
-    results = run_ranks(switch_worker, WS, None, before, after, timeout_s=300)
+@pytest.fixture(scope="module")
+def upstream() -> list[dict]:
+    """Both switches under plain upstream; the failed save leaves the ranks in step (every
+    rank fails it), so they share one process group."""
+    return [r.value for r in run_ranks(switches_worker, WS, ["compat.cpu"],
+                                       ["dropped_then_kept", "kept_then_dropped"],
+                                       timeout_s=300)]
+
+
+def test_extra_state_switches_save_and_load_exactly():
+    results = run_ranks(switches_worker, WS, None, list(SWITCHES), timeout_s=300)
     for rank, result in enumerate(results):
-        out = result.value
-        assert out["save_error"] is None and out["load_error"] is None, f"rank {rank}: {out}"
-        assert out["exact"], f"rank {rank}: {out}"
-        assert out["written"] == [before] * SAVES_EACH + [after] * SAVES_EACH, out
+        for name, (before, after) in SWITCHES.items():
+            out = result.value[name]
+            assert out["save_error"] is None and out["load_error"] is None, (rank, name, out)
+            assert out["exact"], (rank, name, out)
+            assert out["written"] == [before] * SAVES_EACH + [after] * SAVES_EACH, out
 
 
-def test_upstream_saves_without_a_newly_kept_extra_state():
+def test_upstream_saves_without_a_newly_kept_extra_state(upstream):
     """The hazard: every save after the switch "succeeds" and none writes the object that
     Megatron-LM now keeps; the resume cannot load it."""
-    results = run_ranks(switch_worker, WS, ["compat.cpu"], False, True, timeout_s=300)
-    for rank, result in enumerate(results):
-        out = result.value
+    for rank, per_rank in enumerate(upstream):
+        out = per_rank["dropped_then_kept"]
         assert out["save_error"] is None and out["written"] == [False] * 2 * SAVES_EACH, out
         assert f"Missing key in checkpoint state_dict: {KEY}/shard_{rank}_{WS}" in \
             (out["load_error"] or ""), f"rank {rank}: {out}"
 
 
-def test_upstream_fails_to_save_once_an_extra_state_is_dropped():
-    results = run_ranks(switch_worker, WS, ["compat.cpu"], True, False, timeout_s=300,
-                        check=False, collective_timeout_s=20)
-    errors = [r.value["save_error"] if r is not None and r.ok else r for r in results]
-    assert any(f"Could not find FQN: '{KEY}" in str(e) for e in errors), errors
+def test_upstream_fails_to_save_once_an_extra_state_is_dropped(upstream):
+    for rank, per_rank in enumerate(upstream):
+        error = per_rank["kept_then_dropped"]["save_error"] or ""
+        assert f"Could not find FQN: '{KEY}" in error, f"rank {rank}: {error}"
