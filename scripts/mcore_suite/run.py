@@ -24,12 +24,14 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import shutil
 import socket
 import subprocess
 import sys
-import shutil
 import time
 from pathlib import Path
+
+import psutil
 
 import compare
 
@@ -61,9 +63,17 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+#: Exit code of a run that outlived ``--run-timeout`` (as ``timeout(1)`` says it).
+TIMED_OUT = 124
+
+
 def run_suite(suite: Path, features: str, out: Path, nproc: int, python_path: list[Path],
-              pytest_args: list[str]) -> tuple[int, float]:
-    """One run of the suite on ``nproc`` ranks with ``MCF_FEATURES=features``."""
+              pytest_args: list[str], run_timeout: float) -> tuple[int, float]:
+    """One run of the suite on ``nproc`` ranks with ``MCF_FEATURES=features``.
+
+    A rank stuck in a collective that its peer left (a gloo connection that failed under
+    load, say) can block the run for good; past ``run_timeout`` every process of the run
+    is killed and the run counts as failed (:data:`TIMED_OUT`)."""
     port = _free_port()
     env = dict(os.environ,
                MCF_FEATURES=features,
@@ -81,7 +91,15 @@ def run_suite(suite: Path, features: str, out: Path, nproc: int, python_path: li
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                    f"--master-port={port}", *launcher[1:]]
     start = time.monotonic()
-    code = subprocess.run(command, cwd=suite, env=env).returncode
+    process = subprocess.Popen(command, cwd=suite, env=env)
+    try:
+        code = process.wait(timeout=run_timeout)
+    except subprocess.TimeoutExpired:
+        # torchrun starts each rank in a session of its own: kill the whole tree
+        for child in [*psutil.Process(process.pid).children(recursive=True), process]:
+            child.kill()
+        process.wait()
+        code = TIMED_OUT
     return code, time.monotonic() - start
 
 
@@ -95,6 +113,8 @@ def main(argv: list[str] | None = None) -> int:
                              "the first is the baseline")
     parser.add_argument("--nproc", type=int, default=1, help="ranks (torchrun when > 1)")
     parser.add_argument("--timeout", type=int, default=300, help="per-test timeout, seconds")
+    parser.add_argument("--run-timeout", type=float, default=3600,
+                        help="limit of one feature set's run, seconds (a hang fails the run)")
     parser.add_argument("pytest_args", nargs="*",
                         help=f"tests and pytest options after -- (default: {DEFAULT_TESTS})")
     args = parser.parse_args(argv)
@@ -115,8 +135,13 @@ def main(argv: list[str] | None = None) -> int:
     for features in feature_sets:
         out = args.out / features.replace(",", "+")
         out.mkdir(parents=True, exist_ok=True)
-        code, seconds = run_suite(suite, features, out, args.nproc, python_path, pytest_args)
+        code, seconds = run_suite(suite, features, out, args.nproc, python_path, pytest_args,
+                                  args.run_timeout)
         print(f"MCF_FEATURES={features}: pytest exit {code} in {seconds:.0f} s ({out})")
+        if code == TIMED_OUT:
+            print(f"MCF_FEATURES={features}: killed after --run-timeout {args.run_timeout:.0f} s "
+                  f"(a rank hung; see {out}/rank*.log); no comparison")
+            return 1
         runs.append(out)
 
     differs = False
