@@ -29,6 +29,7 @@ import socket
 import subprocess
 import sys
 import time
+import tomllib
 from pathlib import Path
 
 import psutil
@@ -55,6 +56,17 @@ def copy_paths(tree: Path, paths: tuple[str, ...], dest: Path) -> list[str]:
         else:
             shutil.copy2(tree / path, target)
     return present
+
+
+def write_pytest_ini(tree: Path, suite: Path) -> None:
+    """The suite's own pytest settings (markers, file pattern) as ``suite/pytest.ini``, so that
+    pytest's rootdir is the suite and no configuration above it (this project's, when OUT is
+    inside the checkout) applies. Upstream's ``addopts`` stay out: its ``-x`` would stop at
+    the first failure and hide every later difference; run.py passes its own options."""
+    options = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    lines = ["[pytest]", f"python_files = {options['python_files']}", "markers ="]
+    lines += [f"    {marker}" for marker in options.get("markers", [])]
+    (suite / "pytest.ini").write_text("\n".join(lines) + "\n")
 
 
 def _free_port() -> int:
@@ -119,10 +131,13 @@ def main(argv: list[str] | None = None) -> int:
                         help=f"tests and pytest options after -- (default: {DEFAULT_TESTS})")
     args = parser.parse_args(argv)
     feature_sets = args.features or ["compat.cpu", "all"]
+    # the ranks run in the copied suite's folder: a relative --out would land inside it
+    args.out = args.out.resolve()
 
     tree = upstream_snapshots.snapshot(args.ref)
     suite = args.out / "suite"
     copy_paths(tree, SUITE_PATHS, suite)
+    write_pytest_ini(tree, suite)
     python_path = []
     if importlib.util.find_spec("megatron.training") is None:
         copy_paths(tree, TRAINING_PATHS, suite / "_mlm")
