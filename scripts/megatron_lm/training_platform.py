@@ -21,6 +21,9 @@ training package needs on top:
   kernel but asks ``$CUDA_HOME/bin/nvcc`` for its version, so it does nothing;
 - ``tensor.type()`` names the CUDA type (``torch.cuda.FloatTensor``): megatron-core's
   gradient clipping asserts it;
+- ``current_device()`` is the job's placement, ``MCF_CPU_DEVICE_INDEX`` (the launcher gives
+  every relaunch a new one, as a scheduler placing the job on other hardware would): the
+  rerun state machine reruns a suspicious step "on another GPU" only if the index differs;
 - CUDA streams and events are the CPU's (``torch.cpu.Stream``, ``torch.Event('cpu')``);
   memory statistics are zero; ``empty_cache`` and the
   memory-pool context do nothing.
@@ -76,6 +79,14 @@ def _true(*_args: Any, **_kwargs: Any) -> bool:
     return True
 
 
+#: The launcher's per-attempt placement (see scripts/run_with_restarts.py).
+PLACEMENT_ENV = "MCF_CPU_DEVICE_INDEX"
+
+
+def _placement(*_args: Any, **_kwargs: Any) -> int:
+    return int(os.environ.get(PLACEMENT_ENV, "0"))
+
+
 def _stream(*_args: Any, **_kwargs: Any) -> Any:
     return torch.cpu.Stream()
 
@@ -102,6 +113,7 @@ def _empty_stats(*_args: Any, **_kwargs: Any) -> dict:
 
 #: torch.cuda functions the training package calls, and what they do on the CPU "device".
 TRAINING_SHIMS: dict[str, Callable[..., Any]] = {
+    "current_device": _placement,
     "Stream": _stream,
     "current_stream": _stream,
     "default_stream": _stream,
