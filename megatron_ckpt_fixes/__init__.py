@@ -22,7 +22,7 @@ from .errors import MegatronCkptFixesError, UnsupportedVersionError
 
 __version__ = "0.1.0"
 __all__ = ["FEATURES", "OPTIONAL_FEATURES", "MegatronCkptFixesError", "UnsupportedVersionError",
-           "__version__", "install", "installed", "uninstall"]
+           "__version__", "install", "installed", "installed_features", "uninstall"]
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +50,7 @@ OPTIONAL_FEATURES: tuple[str, ...] = (
 
 _lock = threading.Lock()
 _patches = PatchSet()
+_features: list[str] = []  # chosen by install() calls since the last uninstall()
 
 
 def feature_patches(feature: str) -> tuple[Patch, ...]:
@@ -78,10 +79,12 @@ def install(features: Iterable[str] | None = None) -> list[str]:
     outside the supported range or lacks a symbol a chosen patch needs (each one named).
     Returns the names of all installed patches.
     """
+    chosen = list(FEATURES if features is None else features)
     with _lock:
         check_supported()
-        for name in _patches.install(_declared(FEATURES if features is None else features)):
+        for name in _patches.install(_declared(chosen)):
             logger.info("megatron_ckpt_fixes: installed %s", name)
+        _features.extend(f for f in chosen if f not in _features)
         return _patches.names()
 
 
@@ -89,6 +92,13 @@ def uninstall() -> None:
     """Restore every patched attribute to the exact original object."""
     with _lock:
         _patches.restore_all()
+        _features.clear()
+
+
+def installed_features() -> tuple[str, ...]:
+    """The features chosen by ``install()`` calls so far (what a process that megatron-core
+    spawns must install to behave like this one)."""
+    return tuple(_features)
 
 
 def installed() -> dict[str, str]:

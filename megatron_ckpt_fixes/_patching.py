@@ -41,7 +41,10 @@ class Patch:
     Attributes:
         name: stable id shown by ``installed()``: ``<feature>.<what>``.
         target: ``"package.module"`` or ``"package.module:Class"``.
-        attr: attribute of the target to replace; it must exist unless ``adds``.
+        attr: attribute of the target to replace. Unless ``adds``, upstream must define it
+            on the target itself, or on one of ``inherits_from``: a replacement written for
+            one method must not land on another one that the MRO now finds (an override
+            deleted, a parent's method that behaves differently).
         build: ``original -> replacement``; the replacement usually wraps the original
             (``original`` is None when ``adds``).
         why: one line for logs and ``installed()``.
@@ -54,6 +57,9 @@ class Patch:
             returns why (then the patch is not applied) or None.
         optional: a missing requirement skips this patch (``installed()`` says so) instead
             of failing ``install()``.
+        inherits_from: base classes (``"package.module:Class"``) that define ``attr`` for
+            ``target`` to inherit in some releases (the patch then gives ``target`` its own
+            override); a base that a release lacks is simply not a candidate there.
     """
 
     name: str
@@ -67,6 +73,7 @@ class Patch:
     adds: bool = False
     not_needed: Callable[[], str | None] | None = None
     optional: bool = False
+    inherits_from: tuple[str, ...] = ()
 
 
 def resolve(target: str) -> Any:
@@ -90,6 +97,34 @@ def _resolved(symbol: str) -> tuple[Any, str | None]:
         return None, f"{symbol} not found ({type(exc).__name__}: {exc})"
 
 
+def definer(owner: Any, attr: str) -> Any:
+    """The object that holds ``attr`` itself: the first class of ``owner``'s MRO whose
+    ``__dict__`` has it (``owner`` itself for a module or an instance), or None."""
+    for holder in owner.__mro__ if isinstance(owner, type) else (owner,):
+        if attr in vars(holder):
+            return holder
+    return None
+
+
+def _name(obj: Any) -> str:
+    return getattr(obj, "__name__", None) or repr(obj)
+
+
+def _read_problem(symbol: str) -> str | None:
+    """A symbol ``module:Class.attr`` must be defined on ``Class`` itself, not inherited."""
+    found, problem = _resolved(symbol)
+    module_name, _, qualname = symbol.partition(":")
+    owner_name, _, attr = qualname.rpartition(".")
+    if problem or not owner_name:
+        return problem
+    owner = resolve(f"{module_name}:{owner_name}")
+    holder = definer(owner, attr)
+    if isinstance(owner, type) and holder is not owner:
+        return (f"{symbol} is no longer defined on {_name(owner)} (found on {_name(holder)} "
+                f"through the MRO): the patch was written for {_name(owner)}'s own")
+    return None
+
+
 def requirement_problems(patch: Patch) -> list[str]:
     """Everything ``patch`` needs from upstream that is missing (empty: it can be applied)."""
     owner, problem = _resolved(patch.target)
@@ -97,11 +132,11 @@ def requirement_problems(patch: Patch) -> list[str]:
         return [problem]
     problems: list[str] = []
     where = f"{patch.target}.{patch.attr}"
-    has_attr = hasattr(owner, patch.attr)
-    if patch.adds and has_attr:
+    holder = definer(owner, patch.attr)
+    if patch.adds and holder is not None:
         problems.append(f"{where} already exists; this patch would replace upstream's")
-    if not patch.adds and not has_attr:
-        problems.append(f"{where} not found (it is what this patch replaces)")
+    if not patch.adds:
+        problems += _definer_problems(patch, owner, holder, where)
     original = getattr(owner, patch.attr, None)
     for alias in patch.aliases:
         alias_owner, problem = _resolved(alias)
@@ -110,7 +145,7 @@ def requirement_problems(patch: Patch) -> list[str]:
         elif not patch.adds and _raw(alias_owner, patch.attr) is not original:
             problems.append(f"{alias}.{patch.attr} is no longer the object {where}: the patch "
                             "would miss the callers that use it")
-    problems += [p for p in map(lambda s: _resolved(s)[1], patch.reads) if p]
+    problems += [p for p in map(_read_problem, patch.reads) if p]
     for probe in patch.probes:
         try:
             problems += probe()
@@ -118,6 +153,20 @@ def requirement_problems(patch: Patch) -> list[str]:
             problems.append(f"{getattr(probe, '__name__', probe)} failed: "
                             f"{type(exc).__name__}: {exc}")
     return problems
+
+
+def _definer_problems(patch: Patch, owner: Any, holder: Any, where: str) -> list[str]:
+    """The replaced attribute must be defined where the patch says upstream defines it."""
+    if holder is None:
+        return [f"{where} not found (it is what this patch replaces)"]
+    if holder is owner:
+        return []
+    bases = [resolve(b) for b in patch.inherits_from if _resolved(b)[1] is None]
+    if any(holder is base for base in bases):
+        return []
+    allowed = " or ".join([_name(owner), *patch.inherits_from])
+    return [f"{where} is no longer defined on {allowed} (found on {_name(holder)} through "
+            f"the MRO): the patch replaces the method of {allowed}"]
 
 
 def not_needed_reason(patch: Patch) -> str | None:

@@ -27,6 +27,7 @@ import inspect
 import io
 import logging
 import os
+import pickle
 import tempfile
 import zlib
 from collections.abc import Sequence
@@ -47,12 +48,25 @@ _WRITER = f"{_FILESYSTEM_ASYNC}:FileSystemWriterAsync"
 BUFFER_LIMIT = 4 << 20
 
 
-@dataclasses.dataclass(frozen=True)
-class ChecksummedWriteResult(WriteResult):
-    """A ``WriteResult`` that also carries the CRC-32 of the item's bytes in the file
-    (None when they could not be taken)."""
+#: Instance attribute of upstream's ``WriteResult`` that carries the item's checksum.
+CHECKSUM_ATTR = "crc32"
 
-    crc32: int | None = None
+
+def with_checksum(result: WriteResult, checksum: int | None) -> WriteResult:
+    """Upstream's own ``WriteResult``, carrying ``checksum`` (None: not taken) in its
+    instance dict.
+
+    Write results cross megatron-core's queues, among them a spawned multiprocessing
+    manager that unpickles what every writer puts, one serving thread per client. A class
+    of this package there would make the manager import this package while another thread
+    imports torch's checkpoint modules for upstream's own results: CPython's per-module
+    import locks then see a cycle and raise ``_DeadlockError``, the persistent checkpoint
+    worker dies (megatron-core's own test_async_save at 8 ranks did). Pickle restores an
+    instance dict without calling code of ours, so the manager imports exactly what it
+    imports without the fixes.
+    """
+    object.__setattr__(result, CHECKSUM_ATTR, checksum)  # frozen dataclass: no setattr
+    return result
 
 
 class _Tap:
@@ -120,8 +134,8 @@ def checksummed_write_item(original: Callable[..., WriteResult]) -> Callable[...
             new_args, new_kwargs = replaced(args, kwargs, stream_at, "stream", tap)
             result = original(*new_args, **new_kwargs)
             info, crc, written = result.storage_data, tap.crc, tap.count
-        return ChecksummedWriteResult(result.index, result.size_in_bytes, info,
-                                      crc if written == info.length else None)
+        return with_checksum(WriteResult(result.index, result.size_in_bytes, info),
+                             crc if written == info.length else None)
 
     return _write_item
 
@@ -133,7 +147,7 @@ def record_of(results: Sequence[Sequence[WriteResult]],
     missing = 0
     for rank_results in results:
         for result in rank_results:
-            crc = getattr(result, "crc32", None)
+            crc = getattr(result, CHECKSUM_ATTR, None)
             if crc is None:
                 missing += 1
                 continue
@@ -157,10 +171,8 @@ def recording_finish(original: Callable[..., None]) -> Callable[..., None]:
             if missing:
                 logger.warning(
                     "%d of %d saved items of %s have no checksum: they were written by a "
-                    "process without the checksums patch (megatron-core's persistent async "
-                    "worker is spawned: start the job with MEGATRON_CKPT_FIXES=1 so it has "
-                    "the fixes too); verify reports them as unchecked", missing,
-                    missing + len(record.checksums), directory)
+                    "process without the checksums patch; verify reports them as unchecked",
+                    missing, missing + len(record.checksums), directory)
         else:
             logger.warning("checksums not recorded for %s: not a local directory", directory)
         return original(self, metadata, results)
@@ -184,6 +196,11 @@ def _write_item_problems() -> list[str]:
     fields = {f.name for f in dataclasses.fields(WriteResult)}
     problems += [f"WriteResult has no field {name!r}"
                  for name in ("index", "size_in_bytes", "storage_data") if name not in fields]
+    if not problems:
+        sent = pickle.loads(pickle.dumps(with_checksum(WriteResult(None, 0, None), 1)))
+        if getattr(sent, CHECKSUM_ATTR, None) != 1:
+            problems.append("torch's WriteResult no longer carries an instance attribute "
+                            "through pickle: checksums would be lost on the way")
     return problems
 
 
@@ -217,7 +234,7 @@ PATCHES: tuple[Patch, ...] = (
         target=_WRITER,
         attr="finish",
         build=recording_finish,
-        reads=(f"{_WRITER}.storage_meta",),
+        reads=("torch.distributed.checkpoint.filesystem:_FileSystemWriter.storage_meta",),
         probes=(_writer_problems,),
         why="the checksums of a save are recorded next to its .metadata, from the same "
             "write results",

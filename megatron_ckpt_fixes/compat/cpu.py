@@ -5,8 +5,12 @@ synchronizes CUDA, finalize broadcasts a tensor on the current CUDA device,
 global-metadata reuse verification reduces on a hard-coded CUDA device, the async caller checks
 liveness on the current CUDA device). Where collectives do not run on CUDA, each gets a
 :class:`~.device.BackendAwareTorch` as its ``torch``. On a CUDA process whose collectives
-run on CUDA (NCCL) upstream's calls are right, so nothing is patched there and megatron-core
-keeps the real ``torch`` object.
+run on CUDA (NCCL) upstream's calls are right, so no stand-in is applied there and
+megatron-core keeps the real ``torch`` object.
+
+The persistent async checkpoint worker is a spawned process that starts without any patch;
+its process target (:class:`PersistentWorker`) installs in it the features its trainer has,
+on every backend.
 """
 
 from __future__ import annotations
@@ -48,34 +52,46 @@ _PERSISTENT_CALLER = f"{_STRATEGIES}.async_utils:PersistentAsyncCaller"
 _upstream_loop: Callable[..., None] | None = None
 
 
-def run_persistent_worker(*args: Any, **kwargs: Any) -> None:
-    """megatron-core's persistent async checkpoint worker, made to run on CPU.
+class PersistentWorker:
+    """megatron-core's persistent async checkpoint worker, with the trainer's fixes.
 
     The worker is a spawned process: it imports megatron-core afresh, without the patches of
     the trainer, and its first call is ``torch.cuda.set_device(rank % device_count())``
     (ZeroDivisionError without CUDA: the worker dies and the trainer waits for it forever).
-    This function is the process target instead: it applies ``compat.cpu`` in the worker
-    and runs upstream's unchanged loop.
+    An instance of this class is the process target instead. Pickled for the spawn, it
+    carries the features the trainer has installed at that moment (``__reduce__`` runs in
+    the trainer); in the worker it installs them (``compat.cpu`` among them, so upstream's
+    loop runs on CPU; ``checksums``, so the worker's writes are checksummed like the
+    trainer's) and runs upstream's unchanged loop. No environment switch is needed.
 
-    Not wrapped with functools.wraps on purpose: a spawned target is pickled by name, and
-    the name must be this function's, not upstream's (which the fresh process would find
-    unpatched).
+    A class of this package, picklable by name: the fresh process must find this target,
+    not upstream's loop (which it would find unpatched).
     """
-    loop = _upstream_loop
-    if loop is None:  # spawned: megatron-core is fresh and unpatched in this process
-        import megatron_ckpt_fixes
-        from megatron.core.dist_checkpointing.strategies.async_utils import (
-            PersistentAsyncCaller)
 
-        loop = PersistentAsyncCaller.async_loop
-        megatron_ckpt_fixes.install(["compat.cpu"])
-    loop(*args, **kwargs)
+    def __init__(self, features: tuple[str, ...] = ("compat.cpu",)) -> None:
+        self.features = features
+
+    def __reduce__(self) -> tuple[Any, tuple[tuple[str, ...]]]:
+        import megatron_ckpt_fixes
+
+        return type(self), (megatron_ckpt_fixes.installed_features(),)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> None:
+        loop = _upstream_loop
+        if loop is None:  # spawned: megatron-core is fresh and unpatched in this process
+            import megatron_ckpt_fixes
+            from megatron.core.dist_checkpointing.strategies.async_utils import (
+                PersistentAsyncCaller)
+
+            loop = PersistentAsyncCaller.async_loop
+            megatron_ckpt_fixes.install(self.features)
+        loop(*args, **kwargs)
 
 
 def _worker_target(upstream_loop: Callable[..., None]) -> staticmethod:
     global _upstream_loop
     _upstream_loop = upstream_loop
-    return staticmethod(run_persistent_worker)
+    return staticmethod(PersistentWorker())
 
 
 PATCHES: tuple[Patch, ...] = tuple(
@@ -87,9 +103,10 @@ PATCHES: tuple[Patch, ...] = tuple(
         target=_PERSISTENT_CALLER,
         attr="async_loop",
         build=_worker_target,
-        not_needed=cuda_collectives_reason,
-        why="the persistent async checkpoint worker pins a CUDA device at start-up "
-            "(ZeroDivisionError without CUDA, and the trainer waits forever); it runs with "
-            "the CPU support applied instead",
+        # Applied on CUDA too: there the worker needs no stand-in (install() finds none
+        # needed in it), but it needs the trainer's other fixes (checksums of its writes).
+        why="the spawned persistent async checkpoint worker runs with the trainer's fixes "
+            "(without them it pins a CUDA device at start-up: ZeroDivisionError on CPU, and "
+            "the trainer waits forever; its writes would have no checksums)",
     ),
 )

@@ -212,7 +212,10 @@ def _distribution_cache_probe() -> list[str]:
 
 
 def _guarded_entry_points(prefix: str, target: str, switch: str, caches: dict[str, Any],
-                          probe: Callable[[], list[str]], why: str) -> tuple[Patch, ...]:
+                          probe: Callable[[], list[str]], why: str,
+                          inherited: dict[str, str] | None = None) -> tuple[Patch, ...]:
+    """``save`` and ``async_save`` of ``target``; ``inherited`` names the base class that
+    defines one in the releases where ``target`` inherits it."""
     def caching(strategy: Any) -> bool:
         return bool(getattr(strategy, switch))
 
@@ -223,7 +226,8 @@ def _guarded_entry_points(prefix: str, target: str, switch: str, caches: dict[st
                      "CachedMetadataFileSystemReader",
                      f"{_DC}.validation:validate_sharding_integrity",
                      f"{_DC}.validation:determine_global_metadata"),
-              probes=(probe,), why=why)
+              probes=(probe,), why=why,
+              inherits_from=tuple(filter(None, [(inherited or {}).get(attr)])))
         for attr in ("save", "async_save")
     )
 
@@ -246,6 +250,9 @@ PATCHES: tuple[Patch, ...] = (
     PLAN_CACHES,
     _plan_cache_probe,
     "cached save plans are reused only while every rank's structure signature holds",
+    # Up to megatron-core 0.16 the strategy's save is its async-capable base's (async_save,
+    # then the request); later releases define it on the strategy.
+    inherited={"save": f"{_STRATEGIES}.base:AsyncSaveShardedStrategy"},
 ) + _guarded_entry_points(
     "structure.cached_save.distribution",
     f"{_STRATEGIES}.fully_parallel:FullyParallelSaveStrategyWrapper",

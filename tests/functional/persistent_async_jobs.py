@@ -76,6 +76,7 @@ def persistent_save_worker(rank: int, ws: int, subset: str, kill_rank: int | Non
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
     from megatron_ckpt_fixes._patching import PatchSet
+    from megatron_ckpt_fixes.checksums import verify_checkpoint
 
     if subset == "all":
         megatron_ckpt_fixes.install()
@@ -102,7 +103,9 @@ def persistent_save_worker(rank: int, ws: int, subset: str, kill_rank: int | Non
             queue.maybe_finalize_async_calls(blocking=True)
             template = ShardedTensor.from_rank_offsets("w", torch.zeros(4), (0, rank, ws))
             loaded = dc.load({"w": template}, path)["w"]
-            return float((loaded - (torch.arange(4.0) + 4 * rank + 100 * step)).abs().max())
+            summary = verify_checkpoint(path)  # every saved item has a checksum that holds
+            return (float((loaded - (torch.arange(4.0) + 4 * rank + 100 * step)).abs().max()),
+                    (summary.status, summary.checked == summary.items, summary.unrecorded))
         return go
 
     results = {"first": _in_thread(save(0, False), worker)}

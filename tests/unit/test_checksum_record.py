@@ -4,6 +4,10 @@ from __future__ import annotations
 
 import inspect
 import io
+import pickle
+import pickletools
+import subprocess
+import sys
 import zlib
 
 import pytest
@@ -79,6 +83,36 @@ def test_the_stream_may_come_as_a_keyword(tmp_path):
         result = wrapped(**kwargs)
     data = (tmp_path / "k.distcp").read_bytes()
     assert result.crc32 == zlib.crc32(data) and result.storage_data.length == len(data)
+
+
+def _globals_in(pickled: bytes) -> set[str]:
+    """The modules a pickle makes its reader import (GLOBAL / STACK_GLOBAL opcodes)."""
+    modules, strings = set(), []
+    for op, arg, _ in pickletools.genops(pickled):
+        if op.name in ("SHORT_BINUNICODE", "BINUNICODE", "UNICODE"):
+            strings.append(arg)
+        elif op.name == "STACK_GLOBAL":
+            modules.add(strings[-2])
+        elif op.name == "GLOBAL":
+            modules.add(arg.split(" ")[0])
+    return modules
+
+
+def test_write_results_cross_process_queues_as_upstreams_class_only(tmp_path):
+    """megatron-core's spawned results manager unpickles write results in one thread per
+    writer; a class of this package there made it import the package concurrently with
+    torch's checkpoint modules and die of an import-lock deadlock (the persistent worker
+    exited 1 in megatron-core's own test_async_save at 8 ranks). The results must need
+    nothing beyond what upstream's own need, and keep their checksum across the pickle."""
+    _, results = _write_all(tmp_path, checksummed_write_item(_write_item), "p.distcp")
+    pickled = pickle.dumps(results)
+    assert {m.split(".")[0] for m in _globals_in(pickled)} == {"torch"}, _globals_in(pickled)
+    script = ("import pickle, sys; sys.modules['megatron_ckpt_fixes'] = None; "
+              "print([r.crc32 for r in pickle.loads(sys.stdin.buffer.read())])")
+    out = subprocess.run([sys.executable, "-c", script], input=pickled, capture_output=True,
+                         check=True)
+    assert out.stdout.decode().strip() == str([r.crc32 for r in results])
+    assert all(type(r) is WriteResult for r in results)
 
 
 def test_record_of_counts_results_without_a_checksum(tmp_path):

@@ -12,7 +12,7 @@ from packaging.version import Version
 
 import megatron_ckpt_fixes
 from megatron_ckpt_fixes import FEATURES, OPTIONAL_FEATURES, UnsupportedVersionError
-from megatron_ckpt_fixes._patching import _MISSING, Patch, PatchSet, _raw, resolve
+from megatron_ckpt_fixes._patching import _MISSING, Patch, PatchSet, _raw, definer, resolve
 from megatron_ckpt_fixes.compat import versions
 
 ALL_FEATURES = FEATURES + OPTIONAL_FEATURES
@@ -82,21 +82,21 @@ def test_unsupported_megatron_core_is_refused_before_patching(clean_install, mon
 
 def _requirement_sites():
     """(owner, attribute, text the error must contain) for everything a patch that is
-    needed here relies on: the attribute it replaces, the symbols it reads and the aliases it
-    patches."""
+    needed here relies on: the attribute it replaces (on the class upstream defines it on),
+    the symbols it reads and the aliases it patches."""
     sites = {}
     for patch in _declared():
         if patch.not_needed is not None and patch.not_needed() is not None:
             continue  # upstream has this fix here: what the patch would read does not matter
-        if not patch.adds:
-            sites[(patch.target, patch.attr)] = (resolve(patch.target), patch.attr,
-                                                  f"{patch.target}.{patch.attr}")
+        if not patch.adds:  # deleted from whichever class defines it in this release
+            sites[(patch.target, patch.attr)] = (definer(resolve(patch.target), patch.attr),
+                                                  patch.attr, f"{patch.target}.{patch.attr}")
         for alias in patch.aliases:
             sites[(alias, patch.attr)] = (resolve(alias), patch.attr, f"{alias}.{patch.attr}")
         for symbol in patch.reads:
             owner, _, name = symbol.rpartition(".") if "." in symbol.partition(":")[2] \
                 else (symbol.partition(":")[0], None, symbol.partition(":")[2])
-            sites[(owner, name)] = (resolve(owner), name, name)
+            sites[(owner, name)] = (resolve(owner), name, symbol)
     return sorted(sites.items())
 
 
@@ -106,15 +106,19 @@ SITES = _requirement_sites()
 @pytest.mark.parametrize("site", [s for s, _ in SITES], ids=lambda s: f"{s[0]}.{s[1]}")
 def test_a_missing_upstream_symbol_is_named_and_nothing_is_patched(clean_install, monkeypatch,
                                                                    site):
+    """Deleted from the class (or module) that defines it, and only there: a base class
+    that still provides an attribute of that name does not stand in for it (e.g. 0.16's
+    TorchDistSaveShardedStrategy.async_save deleted, its abstract parent's left: install()
+    must not patch the parent's method onto the strategy as if it were its own)."""
     owner, attr, text = dict(SITES)[site]
+    assert attr in vars(owner), f"{site}: not defined where the patch says upstream does"
     before = _snapshot()
-    # Delete it wherever it is defined, so that no base class still provides it.
-    for holder in owner.__mro__ if isinstance(owner, type) else (owner,):
-        if attr in vars(holder):
-            monkeypatch.delattr(holder, attr)
+    monkeypatch.delattr(owner, attr)
     with pytest.raises(UnsupportedVersionError) as err:
         clean_install.install(ALL_FEATURES)
     assert text in str(err.value) and "nothing was patched" in str(err.value)
+    if isinstance(owner, type) and hasattr(owner, attr):  # a base still provides it
+        assert "through the MRO" in str(err.value)
     assert clean_install.installed() == {}
     monkeypatch.undo()
     assert _untouched(before)
@@ -176,12 +180,16 @@ def test_restore_of_inherited_attribute_deletes_override():
         pass
 
     mod = types.ModuleType("mcf_test_mod")
-    mod.Child = Child
+    mod.Base, mod.Child = Base, Child
     sys.modules["mcf_test_mod"] = mod
     try:
         ps = PatchSet()
+        with pytest.raises(UnsupportedVersionError, match=r"no longer defined on Child \(found "
+                                                          r"on Base"):
+            ps.install([Patch("t.f", "mcf_test_mod:Child", "f",
+                              lambda orig: lambda self: "patched", why="test")])
         ps.install([Patch("t.f", "mcf_test_mod:Child", "f", lambda orig: lambda self: "patched",
-                          why="test")])
+                          why="test", inherits_from=("mcf_test_mod:Base",))])
         assert Child().f() == "patched"
         ps.restore_all()
         assert _raw(Child, "f") is _MISSING and Child().f() == "base"
