@@ -157,6 +157,10 @@ def adapt(case: Case, paths: Paths, *, world_size: int, async_strategy_needed: b
             change("gpu", flag, new, why)
     for flag, why in NO_FUSION.items():
         change("gpu", flag, True, why)
+    if case.int_arg("--tensor-model-parallel-size", 1) > 1 and args.get("--sequence-parallel"):
+        change("gpu", "--sequence-parallel", None,
+               "megatron-core's torch norms (no Apex, no Transformer Engine) refuse sequence "
+               "parallelism")
     if args.get("--async-save") and async_strategy_needed and "--async-strategy" not in args:
         change("gpu", "--async-strategy", "mcore",
                "the default nvrx strategy needs nvidia-resiliency-ext >= 0.6 (not on PyPI); "

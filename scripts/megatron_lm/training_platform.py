@@ -19,11 +19,18 @@ training package needs on top:
   pip-installed wheel ships compiled but without a Makefile (upstream's call exits 1), so it
   loads the shipped ``helpers_cpp``; Megatron-LM 0.16's ``fused_kernels.load`` builds no
   kernel but asks ``$CUDA_HOME/bin/nvcc`` for its version, so it does nothing;
+- on Python 3.11, ``typing.override`` (PEP 698, 3.12) is typing_extensions' decorator:
+  Megatron-LM 0.19's training package imports it;
 - ``tensor.type()`` names the CUDA type (``torch.cuda.FloatTensor``): megatron-core's
   gradient clipping asserts it;
 - ``current_device()`` is the job's placement, ``MCF_CPU_DEVICE_INDEX`` (the launcher gives
   every relaunch a new one, as a scheduler placing the job on other hardware would): the
   rerun state machine reruns a suspicious step "on another GPU" only if the index differs;
+- every ``DataLoader`` gets a host generator of its own: on a GPU, dropout draws from the
+  CUDA generator and a DataLoader iterator's seed from the CPU one; here both would come
+  from the CPU generator, and Megatron-LM builds its data iterators *after* loading a
+  checkpoint (the RNG states restored), so a resumed run would draw its dropout masks one
+  seed later than the uninterrupted run;
 - CUDA streams and events are the CPU's (``torch.cpu.Stream``, ``torch.Event('cpu')``);
   memory statistics are zero; ``empty_cache`` and the
   memory-pool context do nothing.
@@ -40,6 +47,7 @@ import functools
 import json
 import os
 import sys
+import typing
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any, Callable
@@ -144,6 +152,23 @@ BUILD_STEPS: tuple[tuple[str, str, Callable[..., Any]], ...] = (
 )
 
 
+#: ``DataLoader.__init__``'s positional parameters up to and including ``generator``.
+_GENERATOR_POSITION = 12
+
+
+def _own_generator(init: Callable[..., None]) -> Callable[..., None]:
+    """``DataLoader.__init__`` that gives a loader without a generator one of its own."""
+
+    @functools.wraps(init)
+    def call(self: Any, *args: Any, **kwargs: Any) -> None:
+        if len(args) <= _GENERATOR_POSITION and kwargs.get("generator") is None:
+            cpu_platform._record()
+            kwargs["generator"] = torch.Generator()
+        init(self, *args, **kwargs)
+
+    return call
+
+
 #: torch.cuda functions answered as a GPU would to Megatron-LM's tree only.
 TREE_ONLY_SHIMS: dict[str, Callable[..., Any]] = {
     "is_available": _true,
@@ -178,12 +203,18 @@ class TrainingCpuPlatform(cpu_platform.CpuPlatform):
         """``spawned``: a process a rank started (megatron-core's checkpoint workers); it
         gets the torch-level mappings only, and megatron-core is not imported here, so the
         worker imports it when and as upstream does."""
+        if not hasattr(typing, "override"):
+            from typing_extensions import override
+
+            typing.override = override  # an addition: nothing to restore
         if spawned:
             for name, shim in cpu_platform.CUDA_SHIMS.items():
                 self._set(torch.cuda, name, cpu_platform._recorded(shim))
             self._mode.__enter__()
         else:
             super().open()
+            loader = torch.utils.data.DataLoader
+            self._set(loader, "__init__", _own_generator(loader.__init__))
             for module, name, replacement in BUILD_STEPS:
                 after_import(module, functools.partial(self._set, attr=name,
                                                        value=cpu_platform._recorded(replacement)))

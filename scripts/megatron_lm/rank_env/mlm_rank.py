@@ -40,16 +40,24 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from after_import import after_import  # noqa: E402
 
 
+#: How multiprocessing starts the interpreters a rank spawns (``sys.orig_argv``'s ``-c``
+#: code): megatron-core's checkpoint workers use spawn (0.16) or a forkserver (Megatron-LM
+#: 0.19 asks for one), and their processes must get the platform too.
+WORKER_STARTS = ("from multiprocessing.spawn import", "from multiprocessing.forkserver import")
+
+
 def _role() -> str | None:
     """``rank<N>`` for a rank (an interpreter running a script of the tree),
-    ``worker-of-rank<N>`` for a process a rank spawned with multiprocessing (its
-    checkpoint workers), None for anything else: the launcher, and helpers such as
-    multiprocessing's resource tracker, which must stay plain (a tracker that imported
-    megatron-core here would start another tracker, and so on)."""
+    ``worker-of-rank<N>`` for an interpreter a rank started with multiprocessing's spawn or
+    forkserver (megatron-core's checkpoint workers; a forkserver's children are forks of
+    it), None for anything else: the launcher, and helpers such as multiprocessing's
+    resource tracker, which must stay plain (a tracker that imported megatron-core here
+    would start another tracker, and so on)."""
     rank = os.environ.get("RANK")
     if rank is None:
         return None
-    if "--multiprocessing-fork" in sys.argv:
+    code = sys.orig_argv[sys.orig_argv.index("-c") + 1] if "-c" in sys.orig_argv[:-1] else ""
+    if code.startswith(WORKER_STARTS):
         return f"worker-of-rank{rank}"
     script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
     tree = os.path.abspath(os.environ[TREE_ENV]) + os.sep
