@@ -171,7 +171,7 @@ def adapt(case: Case, paths: Paths, *, world_size: int, async_strategy_needed: b
     change("ci", "--mock-data", True, "megatron-core's MockGPTDataset instead")
     change("ci", "--tokenizer-type", "NullTokenizer", "no vocabulary files")
     change("ci", "--vocab-size", VOCAB_SIZE, "NullTokenizer's vocabulary")
-    change("ci", "--exit-interval", args.get("--train-iters"),
+    change("ci", "--exit-interval", (extra or {}).get("--train-iters", args.get("--train-iters")),
            "run_ci_test.sh sets --exit-interval to --train-iters")
     substitutions = {"${CHECKPOINT_SAVE_PATH}": paths.save, "${CHECKPOINT_LOAD_PATH}": paths.load,
                      "${TENSORBOARD_PATH}": paths.tensorboard}

@@ -111,7 +111,17 @@ class CaseResult:
     comparisons: list[Comparison] = field(default_factory=list)
     #: job -> the first error line its ranks logged, for jobs that ended with an error.
     errors: dict[str, str] = field(default_factory=dict)
+    #: job -> its folder (logs/attempt_N/rank_K.log, cuda_sites/, ckpt/).
+    job_dirs: dict[str, str] = field(default_factory=dict)
+    #: CUDA call sites the platform mapped (summed over the jobs' processes).
+    cuda_sites: dict[str, int] = field(default_factory=dict)
     seconds: float = 0.0
+
+    def logs(self, job: str, attempt: int | None = None) -> str:
+        """Every rank's output of ``job`` (of one attempt, if given)."""
+        pattern = f"attempt_{attempt or '*'}/rank_*.log"
+        return "\n".join(p.read_text(errors="replace")
+                         for p in sorted((Path(self.job_dirs[job]) / "logs").glob(pattern)))
 
     @property
     def passed(self) -> bool:
@@ -136,6 +146,14 @@ class CaseRun:
     nproc: int
     verbose: bool
     result: CaseResult
+    #: False: only the case's own job(s), no continuation/reference (an upstream twin
+    #: whose outcome is read from the relaunch).
+    proof: bool = True
+
+    @property
+    def train_iters(self) -> int:
+        return int(dict(self.mode.flags).get("--train-iters")
+                   or self.case.int_arg("--train-iters", 0))
 
     def argv(self, directory: Path, load: Path, extra: dict[str, object] | None = None,
              ) -> list[str]:
@@ -151,6 +169,9 @@ class CaseRun:
                           fixes=self.mode.fixes, env=self.case.env_vars,
                           max_restarts=max_restarts)
         self.result.exit_codes[name] = job.exit_codes
+        self.result.job_dirs[name] = str(job.directory)
+        for site, count in job.cuda_sites().items():
+            self.result.cuda_sites[site] = self.result.cuda_sites.get(site, 0) + count
         meanings = ", ".join(f"{c} ({EXIT_MEANING.get(c, 'error')})" for c in job.exit_codes)
         span = (f"; iterations {min(job.losses)}..{max(job.losses)} logged" if job.losses
                 else "")
@@ -194,7 +215,7 @@ def _regular(run: CaseRun) -> None:
     job = run.job("run", run.argv(directory, directory / "ckpt"))
     run.result.checks = run_checks(run.case.after_script, job.log_dir)
     print(f"  AFTER_SCRIPT: {run.result.checks}", flush=True)
-    if job.exit_codes[-1] not in (16, 17):
+    if job.exit_codes[-1] not in (16, 17) or not run.proof:
         return
     # The job ended on a fault: carry on from its checkpoint, diagnosis done, and compare
     # with the same job run without error injection.
@@ -214,7 +235,7 @@ def _ckpt_resume(run: CaseRun) -> None:
     if first.exit_codes[-1] != 0:
         return
     # run_ci_test.sh: remove the last checkpoint, point the tracker at the middle.
-    train_iters = run.case.int_arg("--train-iters", 0)
+    train_iters = run.train_iters
     ckpt = directory / "ckpt"
     shutil.rmtree(ckpt / f"iter_{train_iters:07d}", ignore_errors=True)
     (ckpt / "latest_checkpointed_iteration.txt").write_text(f"{train_iters // 2}\n")
@@ -235,10 +256,10 @@ def _frozen_start(run: CaseRun) -> None:
 
 def fault_checkpoint(run: CaseRun) -> Path:
     """The checkpoint :data:`FROZEN_SOURCE` leaves at its fault (run once per mode)."""
-    source = CaseRun(run.tree, load_case(run.tree, FROZEN_SOURCE), run.mode,
+    source_case = load_case(run.tree, FROZEN_SOURCE)
+    source = CaseRun(run.tree, source_case, run.mode,
                      run.out.parent.parent / f"_source-{FROZEN_SOURCE}" / run.mode.label,
-                     adapt.world_size_of(load_case(run.tree, FROZEN_SOURCE)), run.verbose,
-                     run.result)
+                     adapt.world_size_of(source_case), run.verbose, run.result)
     ckpt = source.out / "fault" / "ckpt"
     if not (ckpt / "latest_checkpointed_iteration.txt").exists():
         print(f"  recording the frozen checkpoint: {FROZEN_SOURCE} up to its fault", flush=True)
@@ -252,15 +273,17 @@ FLOWS = {"regular": _regular, "ckpt-resume": _ckpt_resume, "frozen-start": _froz
 
 
 def run_case(tree: Path, ref: str, name: str, mode: Mode, out: Path, nproc: int | None = None,
-             verbose: bool = False, print_changes: bool = True) -> CaseResult:
-    """Run case ``name`` of ``tree`` in ``mode`` under ``out/<name>/<mode>``."""
+             verbose: bool = False, print_changes: bool = True, proof: bool = True
+             ) -> CaseResult:
+    """Run case ``name`` of ``tree`` in ``mode`` under ``out/<name>/<mode>`` (``proof``:
+    see :attr:`CaseRun.proof`)."""
     case = load_case(tree, name)
     if case.test_type not in FLOWS:
         raise ValueError(f"{name}: TEST_TYPE {case.test_type} is not run here "
                          f"(runs: {sorted(FLOWS)})")
     nproc = adapt.world_size_of(case, nproc)
     result = CaseResult(name, mode.label, version("megatron-core"), ref, nproc)
-    run = CaseRun(tree, case, mode, out / name / mode.label, nproc, verbose, result)
+    run = CaseRun(tree, case, mode, out / name / mode.label, nproc, verbose, result, proof)
     shutil.rmtree(run.out, ignore_errors=True)
     print(f"== {name} ({case.test_type}; megatron-core {result.megatron_core}, Megatron-LM "
           f"{ref}; {nproc} ranks; {mode.label})", flush=True)
