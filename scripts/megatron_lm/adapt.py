@@ -148,6 +148,15 @@ def adapt(case: Case, paths: Paths, *, world_size: int, async_strategy_needed: b
     for flag, value in SIZE.items():
         if flag in args:
             change("size", flag, value, "size only")
+    per_chunk = case.int_arg("--num-layers-per-virtual-pipeline-stage", 0)
+    if per_chunk:
+        change("size", "--num-layers", 2 * per_chunk * case.int_arg(
+            "--pipeline-model-parallel-size", 1), "size only: two virtual stages per "
+            "pipeline rank, so the interleaved schedule still interleaves")
+        change("gpu", "--no-overlap-p2p-communication", True,
+               "the interleaved schedule's overlapped send/receive leans on CUDA stream "
+               "order; on gloo a stage reads a receive buffer before the receive completed "
+               "(NaN gradients from iteration 1 in bf16)")
     micro = args.get("--micro-batch-size", 1)
     change("size", "--global-batch-size", MICRO_BATCHES * dp * int(micro),
            f"{MICRO_BATCHES} micro-batches per data-parallel rank; data-parallel size "

@@ -311,8 +311,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--constant-structure", action="store_true",
                         help=f"add {CONSTANT_STRUCTURE} to every job")
     parser.add_argument("--set", action="append", default=[], metavar="FLAG=VALUE",
-                        help="set a flag of every job (VALUE 'true': a bare flag), e.g. "
-                             "--set=--save-interval=1")
+                        help="set a flag of every job (VALUE 'true': a bare flag, 'false': "
+                             "no flag), e.g. --set=--save-interval=1")
     parser.add_argument("--nproc", type=int, default=None,
                         help="ranks (default: TP x PP x CP, data-parallel size 1)")
     parser.add_argument("--ref", default=None, help="Megatron-LM snapshot (default: the one "
@@ -325,7 +325,7 @@ def main(argv: list[str] | None = None) -> int:
         tree = upstream_snapshots.training_tree(ref)
     except upstream_snapshots.SnapshotMissing as exc:
         parser.error(str(exc))
-    flags = tuple((flag, True if value == "true" else value)
+    flags = tuple((flag, {"true": True, "false": False}.get(value, value))
                   for flag, _, value in (item.partition("=") for item in args.set))
     mode = Mode(not args.upstream, args.constant_structure, flags)
     results = [run_case(tree, ref, name, mode, args.out.resolve(), args.nproc, args.verbose)

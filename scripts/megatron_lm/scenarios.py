@@ -31,6 +31,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from importlib.metadata import version
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from run_case import CaseResult
 
 
 @dataclass(frozen=True)
@@ -47,6 +51,18 @@ class Scenario:
     #: what a job that loaded the change correctly logs, if anything (None: the bitwise
     #: comparison is the proof).
     diagnosis: str | None = None
+
+    def kept(self, result: "CaseResult") -> tuple[bool, str]:
+        """Whether the change survived the run of ``result`` (every job's logs, its
+        bitwise comparisons), and what shows it."""
+        logs = "\n".join(result.logs(job) for job in result.job_dirs)
+        if self.upstream_evidence in logs:
+            return False, f"logged {self.upstream_evidence!r}"
+        if self.diagnosis is not None and self.diagnosis not in logs:
+            return False, f"no {self.diagnosis!r} in the relaunch"
+        if not result.comparisons or not all(c.equal for c in result.comparisons):
+            return False, "; ".join(map(str, result.comparisons)) or "nothing compared"
+        return True, "; ".join(map(str, result.comparisons))
 
     def upstream_fails(self, release: str | None = None) -> bool:
         """Whether plain upstream of ``release`` (default: the installed one) loses it."""
