@@ -53,7 +53,8 @@ from cases import Case, load_case  # noqa: E402
 FROZEN_SOURCE = "gpt3_mcore_reruns_persistent_1"
 CONSTANT_STRUCTURE = "--ckpt-assume-constant-structure"
 EXIT_MEANING = {0: "done", 16: "resume to disambiguate", 17: "result validation failed"}
-_ERROR_LINE = re.compile(r"^(?:\[rank\d+\]:\s*)*((?:[\w.]+\.)?\w*(?:Error|Exception)\b.*)$")
+_PREFIX = re.compile(r"^(?:\[rank\d+\]:\s*)+")
+_ERROR_LINE = re.compile(r"^(?:[\w.]+\.)?\w*(?:Error|Exception)\b")
 
 
 @dataclass(frozen=True)
@@ -200,14 +201,27 @@ def needs_async_strategy() -> bool:
 
 
 def first_error(job: jobs.Job) -> str:
-    """The first exception line the job's ranks logged (rank prefixes removed)."""
+    """The first exception line the job's ranks logged (rank prefixes removed), with the
+    source line that raised it when the exception has no message (a bare assert). A rank
+    that only lost its peers (gloo's "Connection closed by peer") is a consequence: the
+    cause is looked for on the other ranks first."""
+    errors = []
     for attempt in range(1, len(job.attempts) + 1):
-        for rank in range(job.attempts[attempt - 1]["rank_codes"].__len__()):
-            for line in job.attempt_log(attempt, rank).splitlines():
-                match = _ERROR_LINE.match(line.strip())
-                if match and "Warning" not in match.group(1):
-                    return match.group(1)[:400]
-    return f"exit codes {job.exit_codes}, no exception logged"
+        for rank in range(len(job.attempts[attempt - 1]["rank_codes"])):
+            lines = [_PREFIX.sub("", line).strip()
+                     for line in job.attempt_log(attempt, rank).splitlines()]
+            errors += [_error_at(lines, i) for i, line in enumerate(lines)
+                       if _ERROR_LINE.match(line) and "Warning" not in line]
+    causes = [e for e in errors if "Connection closed by peer" not in e]
+    return (causes or errors or [f"exit codes {job.exit_codes}, no exception logged"])[0]
+
+
+def _error_at(lines: list[str], i: int) -> str:
+    error = lines[i][:400]
+    source = [x for x in lines[max(0, i - 4):i] if x.strip("^~ ")]
+    if ":" not in error and len(source) >= 2 and source[-2].startswith("File "):
+        error += f" ({source[-2].split('/')[-1]}: {source[-1]})"
+    return error
 
 
 def _regular(run: CaseRun) -> None:

@@ -64,6 +64,7 @@ def test_fault_save_under_the_cached_plan_is_rerun_with_the_fixes(snapshot, tmp_
     assert result.exit_codes["run"] == [16, 17], _summary(result)
     assert FAULT_SAVE.diagnosis in result.logs("run", attempt=2)
     assert result.passed, _summary(result)  # the case's checks; carry-on bitwise
+    assert FAULT_SAVE.kept(result)[0], FAULT_SAVE.kept(result)
 
 
 def test_fault_save_under_the_cached_plan_upstream(snapshot, tmp_path):
@@ -82,7 +83,7 @@ def test_fault_save_under_the_cached_plan_upstream(snapshot, tmp_path):
 def test_adam_state_appearing_later_resumes_bitwise_with_the_fixes(snapshot, tmp_path):
     result = _run(snapshot, tmp_path, ADAM_STATE_LATER, fixes=True)
     assert result.passed, _summary(result)
-    assert ADAM_STATE_LATER.upstream_evidence not in result.logs("run2")
+    assert ADAM_STATE_LATER.kept(result)[0], ADAM_STATE_LATER.kept(result)
 
 
 def test_adam_state_appearing_later_upstream(snapshot, tmp_path):
@@ -91,3 +92,4 @@ def test_adam_state_appearing_later_upstream(snapshot, tmp_path):
     [comparison] = result.comparisons
     assert comparison.iterations and comparison.differing, _summary(result)
     assert ADAM_STATE_LATER.upstream_evidence in result.logs("run2")
+    assert not ADAM_STATE_LATER.kept(result)[0]
