@@ -27,7 +27,7 @@ RANK_ENV = HERE / "rank_env"
 ACTIVATION_ENV = "MEGATRON_CKPT_FIXES"
 
 #: Seconds a job (all its attempts) may take before it counts as hung.
-JOB_TIMEOUT_S = 900
+JOB_TIMEOUT_S = 420
 #: Relaunches after exit 16, as CI's ft_launcher (``--max-restarts=3``).
 MAX_RESTARTS = 3
 
@@ -110,8 +110,15 @@ def launch(tree: Path, name: str, directory: Path, argv: list[str], *, nproc: in
                "--script", str(tree / "pretrain_gpt.py"), "--log-dir",
                str(directory / "logs"), "--", *argv]
     with open(directory / "runner.out", "w") as out:
-        subprocess.run(command, cwd=directory, env=job_env, stdout=out,
-                       stderr=subprocess.STDOUT, timeout=JOB_TIMEOUT_S, check=False)
+        runner = subprocess.Popen(command, cwd=directory, env=job_env, stdout=out,
+                                  stderr=subprocess.STDOUT)
+        try:
+            runner.wait(timeout=JOB_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            runner.terminate()  # the runner stops the ranks and reaps what they left
+            runner.wait(timeout=120)
+            raise RuntimeError(f"job {name} hung: stopped after {JOB_TIMEOUT_S} s; "
+                               f"see {directory}/logs") from None
     if not report.exists():
         raise RuntimeError(f"job {name}: the runner wrote no report; see {directory}/runner.out:"
                            f"\n{(directory / 'runner.out').read_text()[-3000:]}")

@@ -31,9 +31,9 @@ training package needs on top:
   from the CPU generator, and Megatron-LM builds its data iterators *after* loading a
   checkpoint (the RNG states restored), so a resumed run would draw its dropout masks one
   seed later than the uninterrupted run;
-- CUDA streams and events are the CPU's (``torch.cpu.Stream``, ``torch.Event('cpu')``);
-  memory statistics are zero; ``empty_cache`` and the
-  memory-pool context do nothing.
+- CUDA streams are the CPU's (``torch.cpu.Stream``, waits are no-ops) and CUDA events are
+  always complete (CPU work is synchronous; torch's CPU events cannot be recorded);
+  memory statistics are zero; ``empty_cache`` and the memory-pool context do nothing.
 
 Every mapping is counted by the line that asked for CUDA (:data:`cpu_platform.SITES`); the
 harness writes them per process (:func:`write_sites`), which shows that
@@ -95,12 +95,41 @@ def _placement(*_args: Any, **_kwargs: Any) -> int:
     return int(os.environ.get(PLACEMENT_ENV, "0"))
 
 
-def _stream(*_args: Any, **_kwargs: Any) -> Any:
-    return torch.cpu.Stream()
+class CpuStream(torch.cpu.Stream):
+    """``torch.cuda.Stream`` on the CPU "device": the CPU's stream, whose waits are no-ops
+    (CPU work runs in order). A type, not a function, so that annotations such as
+    ``torch.cuda.Stream | None`` (megatron-core 0.20's FSDP buffers) still evaluate."""
+
+    def __init__(self, *_args: Any, **_kwargs: Any) -> None:
+        cpu_platform._record()
+        super().__init__()
 
 
-def _event(*_args: Any, **_kwargs: Any) -> Any:
-    return torch.Event("cpu")
+class CpuEvent:
+    """``torch.cuda.Event`` on the CPU "device": CPU work is synchronous, so every event
+    has completed when it is recorded (torch's own CPU events cannot be recorded)."""
+
+    def __init__(self, *_args: Any, **_kwargs: Any) -> None:
+        cpu_platform._record()
+
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def wait(self, stream: Any = None) -> None:
+        return None
+
+    def synchronize(self) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def elapsed_time(self, end: Any) -> float:
+        return 0.0
+
+
+def _stream(*_args: Any, **_kwargs: Any) -> CpuStream:
+    return CpuStream()
 
 
 def _properties(*_args: Any, **_kwargs: Any) -> SimpleNamespace:
@@ -122,12 +151,10 @@ def _empty_stats(*_args: Any, **_kwargs: Any) -> dict:
 #: torch.cuda functions the training package calls, and what they do on the CPU "device".
 TRAINING_SHIMS: dict[str, Callable[..., Any]] = {
     "current_device": _placement,
-    "Stream": _stream,
     "current_stream": _stream,
     "default_stream": _stream,
     "stream": torch.cpu.stream,
     "set_stream": cpu_platform._no_op,
-    "Event": _event,
     "memory_allocated": cpu_platform._zero,
     "max_memory_allocated": cpu_platform._zero,
     "memory_reserved": cpu_platform._zero,
@@ -220,6 +247,8 @@ class TrainingCpuPlatform(cpu_platform.CpuPlatform):
                                                        value=cpu_platform._recorded(replacement)))
         for name, shim in TRAINING_SHIMS.items():
             self._set(torch.cuda, name, cpu_platform._recorded(shim))
+        for name, stand_in in (("Stream", CpuStream), ("Event", CpuEvent)):
+            self._set(torch.cuda, name, stand_in)  # they record their creation themselves
         for name, shim in TREE_ONLY_SHIMS.items():
             self._set(torch.cuda, name, _for_tree(self.tree, shim, getattr(torch.cuda, name)))
         return self
