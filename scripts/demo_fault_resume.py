@@ -40,6 +40,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -166,7 +167,8 @@ def main() -> int:
                    help="print the ranks' Python warnings too (import-time notes, deprecations)")
     args = p.parse_args()
     if not args.verbose:
-        os.environ.update(QUIET)  # read by the ranks' interpreters, not by this one
+        os.environ.update(QUIET)  # read by the ranks' interpreters at their start
+        warnings.simplefilter("ignore")  # this one, which imports megatron-core below
     shutil.rmtree(args.workdir, ignore_errors=True)
     args.workdir.mkdir(parents=True)
 
