@@ -40,9 +40,11 @@ SIZE: dict[str, int] = {
     "--num-query-groups": 2,
     "--seq-length": 32,
     "--max-position-embeddings": 32,
-    "--micro-batch-size": 1,
 }
-#: Micro-batches per iteration on each data-parallel rank (sets --global-batch-size).
+#: A global batch up to this size is kept (a case that compares layouts at the same batch,
+#: such as checkpoint-consistency, depends on it); a larger one is shrunk to
+#: :data:`MICRO_BATCHES` micro-batches of one sample per data-parallel rank.
+MAX_KEPT_GLOBAL_BATCH = 8
 MICRO_BATCHES = 4
 #: The mock data's vocabulary (NullTokenizer).
 VOCAB_SIZE = 128
@@ -157,10 +159,14 @@ def adapt(case: Case, paths: Paths, *, world_size: int, async_strategy_needed: b
                "the interleaved schedule's overlapped send/receive leans on CUDA stream "
                "order; on gloo a stage reads a receive buffer before the receive completed "
                "(NaN gradients from iteration 1 in bf16)")
-    micro = args.get("--micro-batch-size", 1)
-    change("size", "--global-batch-size", MICRO_BATCHES * dp * int(micro),
-           f"{MICRO_BATCHES} micro-batches per data-parallel rank; data-parallel size "
-           f"{ci_dp} on CI's {ci_gpus} GPUs -> {dp} on {world_size} ranks")
+    if case.int_arg("--global-batch-size", 0) > MAX_KEPT_GLOBAL_BATCH:
+        change("size", "--micro-batch-size", 1, "size only")
+        change("size", "--global-batch-size", MICRO_BATCHES * dp,
+               f"{MICRO_BATCHES} micro-batches per data-parallel rank; data-parallel size "
+               f"{ci_dp} on CI's {ci_gpus} GPUs -> {dp} on {world_size} ranks")
+    elif case.int_arg("--global-batch-size", 0) % (case.int_arg("--micro-batch-size", 1) * dp):
+        raise ValueError(f"{case.name}: its global batch does not divide into {dp} "
+                         "data-parallel ranks")
     for flag, (new, why) in GPU_FLAGS.items():
         if flag in args:
             change("gpu", flag, new, why)
@@ -182,11 +188,16 @@ def adapt(case: Case, paths: Paths, *, world_size: int, async_strategy_needed: b
     change("ci", "--vocab-size", VOCAB_SIZE, "NullTokenizer's vocabulary")
     change("ci", "--exit-interval", (extra or {}).get("--train-iters", args.get("--train-iters")),
            "run_ci_test.sh sets --exit-interval to --train-iters")
+    # CI's paths: a value under ${CHECKPOINT_LOAD_PATH} (a recorded checkpoint below CI's
+    # artifacts) is the run's load path itself.
     substitutions = {"${CHECKPOINT_SAVE_PATH}": paths.save, "${CHECKPOINT_LOAD_PATH}": paths.load,
                      "${TENSORBOARD_PATH}": paths.tensorboard}
     for flag, value in list(args.items()):
-        if isinstance(value, str) and value in substitutions:
-            args[flag] = str(substitutions[value])
+        for variable, path in substitutions.items():
+            if isinstance(value, str) and value.startswith(variable):
+                args[flag] = str(path)
+        if args[flag] == "${REPEAT}":
+            change("ci", flag, 1, "run_ci_test.sh's first repeat")
     for flag, value in (extra or {}).items():
         change("run", flag, value, "added by this run")
     _check_kept(case, args, extra or {})

@@ -4,11 +4,14 @@ A case (``tests/functional_tests/test_cases/gpt/<name>/model_config.yaml``) hold
 Megatron-LM's CI runs: ``MODEL_ARGS`` (the flags of ``pretrain_gpt.py``, ``true`` meaning a
 bare flag), ``ENV_VARS``, ``TEST_TYPE`` (``regular``: one run; ``ckpt-resume``: a run, then
 a second one resumed from its middle checkpoint; ``frozen-start``: a run that starts from a
-recorded checkpoint) and an ``AFTER_SCRIPT`` of log checks. This module only reads them.
+recorded checkpoint; ``checkpoint-consistency``: one short run per ``MODEL_ARGS_<n>``
+layout, each on ``MODEL_ENV_VARS``' GPU count, whose checkpoints are then compared) and an
+``AFTER_SCRIPT`` of log checks. This module only reads them.
 """
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -27,6 +30,10 @@ class Case:
     model_args: dict[str, object]
     env_vars: dict[str, str] = field(default_factory=dict)
     after_script: str = ""
+    #: ``MODEL_ARGS_<n>`` -> its flags (``checkpoint-consistency`` cases).
+    variants: dict[str, dict[str, object]] = field(default_factory=dict)
+    #: ``MODEL_ARGS``/``MODEL_ARGS_<n>`` -> GPUs per node (``MODEL_ENV_VARS``).
+    gpus: dict[str, int] = field(default_factory=dict)
 
     def int_arg(self, flag: str, default: int) -> int:
         value = self.model_args.get(flag)
@@ -49,6 +56,11 @@ def load_case(tree: Path, name: str) -> Case:
         model_args=dict(config.get("MODEL_ARGS") or {}),
         env_vars={k: str(v) for k, v in (config.get("ENV_VARS") or {}).items()},
         after_script=str(config.get("AFTER_SCRIPT") or ""),
+        variants={key: dict(value) for key, value in config.items()
+                  if re.fullmatch(r"MODEL_ARGS(_\d+)?", key)},
+        gpus={key: int(value["GPUS_PER_NODE"])
+              for key, value in (config.get("MODEL_ENV_VARS") or {}).items()
+              if isinstance(value, dict) and "GPUS_PER_NODE" in value},
     )
 
 

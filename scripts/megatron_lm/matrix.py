@@ -27,7 +27,7 @@ sys.path.insert(0, str(HERE.parent))
 
 import upstream_snapshots  # noqa: E402
 from cases import case_names, load_case  # noqa: E402
-from run_case import CaseResult, Mode, run_case  # noqa: E402
+from run_case import FLOWS, CaseResult, Mode, run_case  # noqa: E402
 from scenarios import SCENARIOS  # noqa: E402
 
 #: Resume cases that run here (no context parallelism, no FSDP, no MoE): both of
@@ -62,6 +62,7 @@ def cell(result: CaseResult) -> str:
         parts.append(f"{len(comparison.iterations)} its bitwise" if comparison.equal
                      else f"{len(comparison.differing)}/{len(comparison.iterations)} its differ")
     parts += [f"error: {error[:80]}" for error in result.errors.values()]
+    parts += [f"{part} not run ({why})" for part, why in result.not_run.items()]
     return f"**{'pass' if result.passed else 'FAIL'}** " + "; ".join(parts)
 
 
@@ -84,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     rows, results = [], {}
     for name in names:
         case = load_case(tree, name)
-        if case.test_type not in ("regular", "ckpt-resume", "frozen-start"):
+        if case.test_type not in FLOWS:
             rows.append(f"| {name} | {case.test_type} | not run: this TEST_TYPE compares "
                         "gradients across parallelisms from a recorded 4B checkpoint |"
                         + " |" * (len(modes) - 1))

@@ -33,6 +33,7 @@ import argparse
 import json
 import re
 import shutil
+import subprocess
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -46,7 +47,7 @@ sys.path.insert(0, str(HERE.parent))
 import adapt  # noqa: E402
 import jobs  # noqa: E402
 import upstream_snapshots  # noqa: E402
-from after_script import Checks, run_checks  # noqa: E402
+from after_script import Check, Checks, run_checks  # noqa: E402
 from cases import Case, load_case  # noqa: E402
 
 #: The case whose fault checkpoint the frozen-start cases start from.
@@ -112,6 +113,8 @@ class CaseResult:
     comparisons: list[Comparison] = field(default_factory=list)
     #: job -> the first error line its ranks logged, for jobs that ended with an error.
     errors: dict[str, str] = field(default_factory=dict)
+    #: part of the case -> why it cannot run here.
+    not_run: dict[str, str] = field(default_factory=dict)
     #: job -> its folder (logs/attempt_N/rank_K.log, cuda_sites/, ckpt/).
     job_dirs: dict[str, str] = field(default_factory=dict)
     #: CUDA call sites the platform mapped (summed over the jobs' processes).
@@ -283,7 +286,49 @@ def fault_checkpoint(run: CaseRun) -> Path:
     return ckpt
 
 
-FLOWS = {"regular": _regular, "ckpt-resume": _ckpt_resume, "frozen-start": _frozen_start}
+#: Megatron-LM's own comparison of the optimizer states of checkpoint-consistency layouts.
+GRADS_TEST = "tests/functional_tests/python_test_utils/test_optimizer_grads_match.py"
+
+
+def _checkpoint_consistency(run: CaseRun) -> None:
+    """CI's ``checkpoint-consistency`` flow: every ``MODEL_ARGS_<n>`` layout loads the
+    recorded checkpoint (``--finetune --no-load-optim``), trains one step with Adam's betas
+    at 0 (its moments are the gradients) and saves; Megatron-LM's own
+    ``test_optimizer_grads_match.py`` then compares their optimizer states. CI's recorded
+    checkpoint is a 4B job's; here it is the first layout's flags trained one step from
+    scratch and saved."""
+    def layout(key: str) -> CaseRun:
+        case = Case(f"{run.case.name}:{key}", run.case.test_type, run.case.variants[key],
+                    run.case.env_vars)
+        return CaseRun(run.tree, case, run.mode, run.out, run.case.gpus.get(key, 1),
+                       run.verbose, run.result)
+
+    base = layout("MODEL_ARGS")
+    recorded = run.out / "recorded"
+    base.job("record", base.argv(recorded, recorded / "none",
+                                 {"--finetune": False, "--no-load-optim": False}))
+    checkpoints = []
+    for key in run.case.variants:
+        step = layout(key)
+        if step.case.int_arg("--context-parallel-size", 1) > 1:
+            run.result.not_run[key] = ("context parallelism needs Transformer Engine's "
+                                       "attention (megatron-core's local attention refuses it)")
+            print(f"  {key}: not run: {run.result.not_run[key]}", flush=True)
+            continue
+        job = step.job(key, step.argv(run.out / key, recorded / "ckpt"))
+        if job.exit_codes == [0]:
+            checkpoints.append(run.out / key / "ckpt" / "iter_0000001")
+    done = subprocess.run([sys.executable, str(run.tree / GRADS_TEST), *map(str, checkpoints)],
+                          capture_output=True, text=True, check=False, timeout=600)
+    (run.out / "grads_match.out").write_text(done.stdout + done.stderr)
+    status = "ok" if done.returncode == 0 and len(checkpoints) > 1 else "failed"
+    run.result.checks = Checks([Check(f"{Path(GRADS_TEST).name} over {len(checkpoints)} "
+                                      "layouts", status)])
+    print(f"  {Path(GRADS_TEST).name}: {run.result.checks}", flush=True)
+
+
+FLOWS = {"regular": _regular, "ckpt-resume": _ckpt_resume, "frozen-start": _frozen_start,
+         "checkpoint-consistency": _checkpoint_consistency}
 
 
 def run_case(tree: Path, ref: str, name: str, mode: Mode, out: Path, nproc: int | None = None,
