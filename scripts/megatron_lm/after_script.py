@@ -62,7 +62,7 @@ class Checks:
     def __str__(self) -> str:
         counts = {s: sum(c.status == s for c in self.checks)
                   for s in ("ok", "stale", "failed", "stale-failed")}
-        summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n)
+        summary = ", ".join(f"{n} {s}" for s, n in counts.items() if n) or "no checks"
         failed = [c.line for c in self.checks if not c.passed]
         return (f"{'passed' if self.passed else 'FAILED'} ({summary})"
                 + "".join(f"\n    failed: {line}" for line in failed))

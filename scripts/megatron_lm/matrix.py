@@ -1,15 +1,17 @@
 #!/usr/bin/env python
 """Run the whole matrix of Megatron-LM's functional cases for the installed megatron-core.
 
-    python scripts/megatron_lm/matrix.py [--out DIR] [--modes fixes,fixes+cs,...]
+    python scripts/megatron_lm/matrix.py [--out DIR] [--modes fixes+cs,upstream+cs,...]
         [--cases NAME ...] [--nproc N]
+    python scripts/megatron_lm/matrix.py --table DIR/matrix-0.16.1.json DIR/matrix-0.19.2.json
 
 Every ``gpt3_mcore_reruns_*`` case and :data:`RESUME_CASES` of the snapshot matching the
 installed megatron-core, in each mode (``fixes``: ``MEGATRON_CKPT_FIXES=1``; ``upstream``:
 plain megatron-core on the same CPU platform; ``+cs``: ``--ckpt-assume-constant-structure``
-added), then every structure scenario (``scenarios.py``) fixed and upstream. Writes
-``OUT/matrix-<megatron-core version>.md`` (the tables the README shows) and ``.json``.
-One release per invocation: run it once in each environment.
+added; default: both with it), then every structure scenario (``scenarios.py``) fixed and
+upstream. Writes ``OUT/matrix-<megatron-core version>.md`` and ``.json``. One release per
+invocation: run it once in each environment; ``--table`` puts the releases' results side by
+side, compactly (the README's table).
 """
 
 from __future__ import annotations
@@ -66,23 +68,78 @@ def cell(result: CaseResult) -> str:
     return f"**{'pass' if result.passed else 'FAIL'}** " + "; ".join(parts)
 
 
+def short(result: dict) -> str:
+    """A compact cell from a result's JSON: verdict, first job's exit codes, checks, bitwise
+    iterations."""
+    parts = [",".join(map(str, next(iter(result["exit_codes"].values()), [])))]
+    if result["checks"]:
+        statuses = [c["status"] for c in result["checks"]["checks"]]
+        stale = statuses.count("stale")
+        parts.append(f"checks {statuses.count('ok')}/{len(statuses)}"
+                     + (f" + {stale} stale (corrected ok)" if stale else ""))
+    compared = [c for c in result["comparisons"] if c["iterations"]]
+    if compared:
+        same = all(not c["differing"] for c in compared)
+        its = sum(len(c["iterations"]) for c in compared)
+        parts.append(f"{its} its {'bitwise' if same else 'DIFFER'}")
+    parts += [f"{part}: not run" for part in result.get("not_run", {})]
+    return f"{'pass' if result['passed'] else '**FAIL**'} ({'; '.join(parts)})"
+
+
+def table(paths: list[Path]) -> str:
+    """The releases' matrices side by side: one column per release and mode, then the
+    structure scenarios, fixed and upstream, per release."""
+    runs = {path.stem.removeprefix("matrix-"): json.loads(path.read_text()) for path in paths}
+    keys = [k for results in runs.values() for k in results]
+    cases = list(dict.fromkeys(k.split("/")[0] for k in keys if not k.startswith("scenario:")))
+    modes = list(dict.fromkeys(k.split("/")[1] for k in keys if not k.startswith("scenario:")))
+    header = [f"{release} {mode}" for release in runs for mode in modes]
+    lines = ["| case | " + " | ".join(header) + " |", "|---|" + "---|" * len(header)]
+    for name in cases:
+        cells = [short(runs[r][f"{name}/{m}"]) if f"{name}/{m}" in runs[r] else "not run"
+                 for r in runs for m in modes]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
+    scenarios = list(dict.fromkeys(k.split("/")[0] for k in keys if k.startswith("scenario:")))
+    header = [f"{release} {side}" for release in runs for side in ("fixes", "upstream")]
+    lines += ["", "| structure change | " + " | ".join(header) + " |",
+              "|---|" + "---|" * len(header)]
+    for name in scenarios:
+        cells = []
+        for release in runs:
+            for side in ("fixes", "upstream"):
+                result = runs[release].get(f"{name}/{side}")
+                cells.append("not run" if result is None else
+                             f"{'kept' if result['kept'] else '**lost**'}: {result['why']}")
+        lines.append(f"| {name.removeprefix('scenario:')} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", type=Path, default=Path("mlm-matrix"))
     parser.add_argument("--modes", default="fixes+cs,upstream+cs",
                         help=f"comma-separated, of {list(MODES)}")
-    parser.add_argument("--cases", nargs="*", default=None)
+    parser.add_argument("--cases", nargs="*", default=None,
+                        help="cases to run (default: all; none: only the scenarios)")
     parser.add_argument("--nproc", type=int, default=None)
     parser.add_argument("--no-scenarios", action="store_true")
+    parser.add_argument("--table", nargs="+", type=Path, metavar="JSON",
+                        help="print the given matrices side by side and exit")
     args = parser.parse_args(argv)
+    if args.table:
+        print(table(args.table))
+        return 0
     ref = upstream_snapshots.ref_for_installed()
     tree = upstream_snapshots.training_tree(ref)
     release = version("megatron-core")
     out = (args.out / release).resolve()
     modes = [m.strip() for m in args.modes.split(",")]
-    names = args.cases or [*case_names(tree, "gpt3_mcore_reruns_*"), *RESUME_CASES]
+    names = (args.cases if args.cases is not None
+             else [*case_names(tree, "gpt3_mcore_reruns_*"), *RESUME_CASES])
     start = time.monotonic()
-    rows, results = [], {}
+    results_path = out.parent / f"matrix-{release}.json"
+    rows = []
+    results = json.loads(results_path.read_text()) if results_path.exists() else {}
     for name in names:
         case = load_case(tree, name)
         if case.test_type not in FLOWS:
@@ -111,9 +168,9 @@ def main(argv: list[str] | None = None) -> int:
             for fixes in (True, False):
                 result = run_case(tree, ref, scenario.case, Mode(fixes, True, scenario.flags),
                                   out / "scenarios" / scenario.name, args.nproc)
-                results[f"scenario:{scenario.name}/{'fixes' if fixes else 'upstream'}"] = \
-                    result.to_json()
                 kept, why = scenario.kept(result)
+                results[f"scenario:{scenario.name}/{'fixes' if fixes else 'upstream'}"] = {
+                    **result.to_json(), "kept": kept, "why": why}
                 row.append(f"**{'kept' if kept else 'LOST'}**: {why}")
             expected = "loses it" if scenario.upstream_fails(release) else "keeps it"
             lines.append(f"| {scenario.name}: {scenario.case} {flags} | {row[0]} | {row[1]} "
@@ -121,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     lines += ["", f"{time.monotonic() - start:.0f} s in all."]
     out.mkdir(parents=True, exist_ok=True)
     (out.parent / f"matrix-{release}.md").write_text("\n".join(lines) + "\n")
-    (out.parent / f"matrix-{release}.json").write_text(json.dumps(results, indent=1))
+    results_path.write_text(json.dumps(results, indent=1))
     print("\n".join(lines), flush=True)
     return 0
 

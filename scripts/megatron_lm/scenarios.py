@@ -54,15 +54,19 @@ class Scenario:
 
     def kept(self, result: "CaseResult") -> tuple[bool, str]:
         """Whether the change survived the run of ``result`` (every job's logs, its
-        bitwise comparisons), and what shows it."""
+        bitwise comparisons), and what shows it, in a few words."""
         logs = "\n".join(result.logs(job) for job in result.job_dirs)
         if self.upstream_evidence in logs:
-            return False, f"logged {self.upstream_evidence!r}"
-        if self.diagnosis is not None and self.diagnosis not in logs:
-            return False, f"no {self.diagnosis!r} in the relaunch"
-        if not result.comparisons or not all(c.equal for c in result.comparisons):
-            return False, "; ".join(map(str, result.comparisons)) or "nothing compared"
-        return True, "; ".join(map(str, result.comparisons))
+            return False, f"logged `{self.upstream_evidence}`"
+        diagnosed = self.diagnosis is not None and self.diagnosis in logs
+        if self.diagnosis is not None and not diagnosed:
+            return False, f"the relaunch never logs `{self.diagnosis}`"
+        compared = sum(len(c.iterations) for c in result.comparisons)
+        differing = sum(len(c.differing) for c in result.comparisons)
+        if not compared or differing:
+            return False, f"{differing} of {compared} compared iterations differ"
+        return True, ("rerun diagnosed; " if diagnosed else "") + \
+            f"{compared} iterations bitwise"
 
     def upstream_fails(self, release: str | None = None) -> bool:
         """Whether plain upstream of ``release`` (default: the installed one) loses it."""
