@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+import tempfile
 import time
 from importlib.metadata import version
 from pathlib import Path
@@ -116,7 +117,8 @@ def table(paths: list[Path]) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("mlm-matrix"))
+    parser.add_argument("--out", type=Path,
+                        default=Path(tempfile.gettempdir()) / "megatron_lm_matrix")
     parser.add_argument("--modes", default="fixes+cs,upstream+cs",
                         help=f"comma-separated, of {list(MODES)}")
     parser.add_argument("--cases", nargs="*", default=None,

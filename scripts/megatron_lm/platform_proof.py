@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import tempfile
 from collections import Counter
 from pathlib import Path
 
@@ -41,7 +42,8 @@ DISTRIBUTED_OPTIMIZER_LOAD_ERROR = "AssertionError"
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", type=Path, default=Path("mlm-platform-proof"))
+    parser.add_argument("--out", type=Path,
+                        default=Path(tempfile.gettempdir()) / "megatron_lm_platform_proof")
     parser.add_argument("--nproc", type=int, default=8)
     args = parser.parse_args(argv)
     ref = upstream_snapshots.ref_for_installed()

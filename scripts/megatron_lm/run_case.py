@@ -3,7 +3,8 @@
 on CPU/gloo ranks, as Megatron-LM's CI runs it, and prove its resumes bitwise.
 
     python scripts/megatron_lm/run_case.py gpt3_mcore_reruns_persistent_1 \\
-        [--upstream] [--constant-structure] [--nproc N] [--ref REF] [--out DIR] [--verbose]
+        [--upstream] [--constant-structure] [--set=FLAG=VALUE ...] [--nproc N] [--ref REF]
+        [--out DIR] [--verbose]
 
 The case's ``model_config.yaml`` comes from the Megatron-LM snapshot that matches the
 installed megatron-core (``scripts/upstream_snapshots.py``; ``--ref`` picks another). Its
@@ -21,6 +22,8 @@ megatron-core on the same CPU platform), and ``--constant-structure`` adds
 - ``frozen-start``: the job starts from a recorded checkpoint; CI's comes from a 4B job we
   do not have, so it is the fault checkpoint the runner's ``gpt3_mcore_reruns_persistent_1``
   leaves (exit 16): the checkpoint a relaunch of that job loads (:data:`FROZEN_SOURCE`).
+- ``checkpoint-consistency``: every ``MODEL_ARGS_<n>`` layout trains one step from the same
+  recorded checkpoint; Megatron-LM's own ``test_optimizer_grads_match.py`` compares them.
 
 Proof: every resumed job's per-iteration ``lm loss`` (recorded as ``float.hex``) must equal
 the uninterrupted job's, bitwise. Exit code 0 when the case's checks and every comparison
@@ -35,6 +38,7 @@ import re
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from importlib.metadata import version
@@ -376,7 +380,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="ranks (default: TP x PP x CP, data-parallel size 1)")
     parser.add_argument("--ref", default=None, help="Megatron-LM snapshot (default: the one "
                                                      "matching the installed megatron-core)")
-    parser.add_argument("--out", type=Path, default=Path("mlm-cases"))
+    parser.add_argument("--out", type=Path,
+                        default=Path(tempfile.gettempdir()) / "megatron_lm_cases")
     parser.add_argument("--verbose", action="store_true", help="print rank 0's output")
     args = parser.parse_args(argv)
     try:
