@@ -25,7 +25,8 @@ from cases import Case
 KEPT_AS_IS: tuple[str, ...] = (
     "--ckpt-format", "--async-save", "--use-persistent-ckpt-worker", "--rerun-mode",
     "--error-injection-rate", "--error-injection-type", "--save-interval",
-    "--ckpt-assume-constant-structure", "--dist-ckpt-optim-fully-reshardable", "--dist-ckpt-strictness", "--no-load-optim",
+    "--ckpt-assume-constant-structure", "--dist-ckpt-optim-fully-reshardable",
+    "--dist-ckpt-strictness", "--no-load-optim",
     "--no-ckpt-fully-parallel-save", "--ckpt-fully-parallel-save", "--train-iters",
     "--tensor-model-parallel-size", "--pipeline-model-parallel-size",
 )

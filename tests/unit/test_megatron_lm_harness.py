@@ -103,8 +103,9 @@ def test_the_stale_checks_reasons_hold_for_every_snapshot():
                             for p in (tree / "megatron").rglob("*.py"))
         assert "Setting rerun_state_machine.current_iteration" not in sources, ref
         machine = (tree / "megatron/core/rerun_state_machine.py").read_text()
-        assert re.search(r'f"Rank \{rank\}, node \{node\}, device \{device\}, "\s*'
-                         r'f"iteration #\{self\.current_iteration( \+ 1)?\}: \{message\}!"', machine), ref
+        logged = (r'f"Rank \{rank\}, node \{node\}, device \{device\}, "\s*'
+                  r'f"iteration #\{self\.current_iteration( \+ 1)?\}: \{message\}!"')
+        assert re.search(logged, machine), ref
         cases = {name: load_case(tree, name) for name in (
             "gpt3_mcore_reruns_disable", "gpt3_mcore_reruns_persistent_2",
             "gpt3_mcore_reruns_transient")}
