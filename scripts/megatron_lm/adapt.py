@@ -47,8 +47,12 @@ SIZE: dict[str, int] = {
 #: :data:`MICRO_BATCHES` micro-batches of one sample per data-parallel rank.
 MAX_KEPT_GLOBAL_BATCH = 8
 MICRO_BATCHES = 4
-#: The mock data's vocabulary (NullTokenizer).
-VOCAB_SIZE = 128
+#: The mock data's vocabulary (NullTokenizer). Megatron-LM pads the vocabulary to a
+#: multiple of 128 x TP (``--make-vocab-size-divisible-by``); 500 (501 with the EOD token
+#: Megatron-LM 0.16's NullTokenizer adds) pads to 512 for every TP size up to 4, so layouts
+#: with different TP compute the same softmax (128 padded to 128 at TP=1 but to 256 at TP=2,
+#: and the checkpoint-consistency case's gradients differed).
+VOCAB_SIZE = 500
 
 DISTRIBUTED_OPTIMIZER_WHY = (
     "it trains and saves on CPU, but its torch_dist checkpoint loads only with Transformer "
