@@ -85,18 +85,18 @@ def _state_dict(n: int, rank: int, ws: int) -> dict:
         f"layer{i}.weight", torch.full((16,), float(i)), (0, rank, ws)) for i in range(n)}
 
 
-def _max_over_ranks(seconds: float) -> float:
+def max_over_ranks(seconds: float) -> float:
     elapsed = torch.tensor([seconds], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
     return elapsed.item()
 
 
-def _timed(fn) -> float:
+def timed(fn) -> float:
     gc.collect()
     dist.barrier()
     start = time.perf_counter()
     fn()
-    return _max_over_ranks(time.perf_counter() - start)
+    return max_over_ranks(time.perf_counter() - start)
 
 
 def _checksum_work(n: int, rank: int, root: str, rounds: int) -> float:
@@ -151,7 +151,7 @@ def _checksum_work(n: int, rank: int, root: str, rounds: int) -> float:
         write_record(root, record_of(all_results, "bench")[0])
     record_s = time.process_time() - start
     os.remove(path)
-    return _max_over_ranks(statistics.median(extra) + record_s)
+    return max_over_ranks(statistics.median(extra) + record_s)
 
 
 def _bench(rank: int, ws: int, sizes: list[int], rounds: list[int], root: str,
@@ -198,13 +198,13 @@ def _bench(rank: int, ws: int, sizes: list[int], rounds: list[int], root: str,
             for name in order:
                 use(name)
                 paths: list[str] = []
-                times[name].append(_timed(lambda: paths.append(save(sd, strategies[name]))))
+                times[name].append(timed(lambda: paths.append(save(sd, strategies[name]))))
                 dropped(paths[0])
             order.reverse()
         megatron_ckpt_fixes.install()
         guard = StructureGuard()
         guard.should_replan(sd, "bench")
-        check = [_timed(lambda: guard.should_replan(sd, "bench")) for _ in range(n_rounds)]
+        check = [timed(lambda: guard.should_replan(sd, "bench")) for _ in range(n_rounds)]
         megatron_ckpt_fixes.uninstall()
         megatron_ckpt_fixes.install(["compat.cpu"])
         result = {"rounds": n_rounds,

@@ -1,51 +1,97 @@
-"""Benchmark: value-aware ZCH reshard vs a plain DCP load of the same bytes, 4->3 and 3->4.
+"""Benchmark: value-aware ZCH reshard against a plain DCP load of the same bytes, N -> M ranks.
 
-A managed-collision table of 10 million admitted ids (12 million slots, embedding dim 8,
-one optimizer-state row per slot) is saved with DCP at 4 ranks, loaded at 3 (plain positional
-DCP load of the same bytes, then the value-aware reshard), saved again at 3 and loaded at 4
-the same two ways. After 4 -> 3 -> 4 every rank checks that each of its original ids looks up
-bitwise its original rows. Prints, per rank, wall time, CPU time (less sensitive to other
-load on a shared machine) and peak RSS growth (peak minus the RSS before the load) of both,
-the bytes of the rank's local shard (every buffer and row tensor), and the ratios: reshard
-time / DCP time, reshard peak growth / local shard bytes. A warm-up plain load runs first so
-both measured loads read from the page cache. ``--profile`` adds rank 0's cProfile of one
-reshard (where the seconds go).
+The claim: loading a managed-collision table at another world size by value costs about
+what moving its bytes costs. Two tables:
 
-Not a test (no timings are asserted). Run: ``python benchmarks/bench_reshard.py`` (~2-3 min
-on 2 cores; ``--ids``/``--slots`` to scale).
+* default: a generic key -> slot table (``--ids`` 10 M ids in ``--slots`` 12 M slots,
+  ``--dim`` 8, one optimizer row per slot) loaded with ``reshard.load_table``;
+* ``--torchrec``: the TorchRec model of the tests (``tests/functional/torchrec_model.py``:
+  a ``ManagedCollisionEmbeddingCollection``, DistanceLFU metadata, DMP row-wise, fused CPU
+  kernel, exact Adagrad) at ``--slots`` 3 M slots, dim 16, 80 % filled, loaded with
+  ``reshard.torchrec_dmp.load`` against a plain ``dcp.load`` of ``{"model", "optim"}``.
+  Its state is filled directly (ids from each rank's routing block, a random slot
+  permutation, random rows and momentum): training to this size would take hours.
+
+For each direction (``--directions 4:3,3:4``) the table is saved at N ranks; then one spawn
+of M ranks runs a warm-up plain load (page cache and code paths) and ``--repeats`` rounds
+of: a plain DCP load (positional: what DCP alone reads), the floor (this rank's shard bytes
+through ``all_to_all_single`` on the same gloo group, in 64 MiB pieces) and the reshard,
+the two loads alternating in order. Each timed step runs between two barriers: its wall
+time is the slowest rank's. Also printed: CPU seconds of all ranks, peak RSS growth per rank
+(sampled every 2 ms; the destination tensors exist before) against the bytes of the rank's
+local shard (every buffer and row tensor of the table), and the share of the checkpoint in
+the page cache before each timed load (``fincore``); garbage is collected before each step.
+Cells are the median over the rounds and the range. After the first reshard each rank checks sampled ids it serves now: their
+rows and optimizer rows bitwise the saved ones (the tests check every id).
+
+Not a test (no timings are asserted). ``--profile`` adds each rank's CPU profile of the
+first reshard. Run: ``python benchmarks/bench_reshard.py [--torchrec]`` (a few minutes on 2
+cores; with ``--torchrec --slots 30000000`` about 3 GiB per rank at the peak, 9-11 GiB in
+all).
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import gc
 import io
 import logging
 import os
 import pstats
+import resource
+import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
 
 import psutil
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from tqdm import tqdm
 
 from megatron_ckpt_fixes.reshard import (
     MISS_ID, BlockOwnership, Column, LocalTable, SlotRanges, TableShard, load_table, table_state_dict,
 )
 from megatron_ckpt_fixes.testing import run_ranks
 
+# The TorchRec model is the tests' own builder (one model, one place); spawned ranks import it.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "functional"))
+
 logger = logging.getLogger("bench_reshard")
-# torch 2.13 warns on every ShardedTensor use (the uneven layouts need it); keep the table readable.
+# torch 2.13 warns on every ShardedTensor use (the uneven layouts need it); keep the output readable.
 warnings.filterwarnings("ignore", message=".*ShardedTensor.*", category=FutureWarning)
-DIM = 8
+MIB = 1 << 20
+SAMPLE = 2000  # ids per saved rank whose rows are compared after the first reshard
+FLOOR_PIECE = 64 * MIB
 PREFIX, EMB, OPT = "mc.t0", "ebc.t0.weight", "opt.t0.momentum"
 IDS, SLOTS, COUNTS = (f"{PREFIX}._mch_sorted_raw_ids", f"{PREFIX}._mch_remapped_ids_mapping",
                       f"{PREFIX}._mch_counts")
+
+
+@dataclass(frozen=True)
+class Config:
+    torchrec: bool
+    slots: int
+    ids: int  # admitted ids (all ranks)
+    dim: int
+    hash_size: int
+
+    def owner(self, ids: torch.Tensor, world: int) -> torch.Tensor:
+        """The rank that serves each id at ``world`` ranks (TorchRec's routing or its rule)."""
+        if self.torchrec:
+            import torchrec_model as tm
+            from megatron_ckpt_fixes.reshard.torchrec_dmp import TorchRecRouting
+
+            return TorchRecRouting(self.hash_size, tm.BUCKETS).owner(ids, world)
+        return BlockOwnership(self.hash_size).owner(ids, world)
 
 
 class PeakRss:
@@ -68,180 +114,314 @@ class PeakRss:
         self.peak = max(self.peak, self._proc.memory_info().rss)
 
 
-def original_shard(rank: int, world: int, ids_total: int, slots_total: int, hash_size: int
-                   ) -> tuple[TableShard, dict[str, torch.Tensor]]:
-    """Saved rank ``rank``'s trained state: distinct sorted ids from its value block."""
-    g = torch.Generator().manual_seed(rank)
-    ranges = SlotRanges.even(slots_total, world)
-    start, size = ranges.start(rank), ranges.size(rank)
-    k = ids_total // world
-    block = -(-hash_size // world)
-    stride = block // k
-    ids = rank * block + torch.arange(k) * stride + torch.randint(0, stride, (k,), generator=g)
-    perm = start + torch.randperm(size - 1, generator=g)
-    slots = torch.cat([perm[:k], perm[k:].sort().values, torch.tensor([start + size - 1])])
-    del perm
-    all_ids = torch.cat([ids, torch.full((size - k,), MISS_ID, dtype=torch.int64)])
-    counts = torch.cat([torch.randint(1, 1 << 20, (k,), generator=g), torch.zeros(size - k, dtype=torch.int64)])
-    rows = {EMB: torch.randn(size, DIM, generator=g), OPT: torch.randn(size, DIM, generator=g)}
-    return TableShard(start, all_ids, slots, {"counts": counts}), rows
+def cache_resident(path: str) -> float | None:
+    """Share of the checkpoint's bytes in the page cache (``fincore``); None if unknown."""
+    files = [str(p) for p in Path(path).iterdir() if p.is_file()]
+    try:
+        out = subprocess.run(["fincore", "--bytes", "--noheadings", "--raw", "-o", "RES,SIZE", *files],
+                             capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    pairs = [tuple(map(int, line.split())) for line in out.splitlines() if line.strip()]
+    return sum(r for r, _ in pairs) / max(sum(s for _, s in pairs), 1)
 
 
-def local_table(ranges: SlotRanges, rank: int) -> LocalTable:
+def timed(step: Callable[[], Any]) -> tuple[dict, Any]:
+    """Run one collective step between barriers: wall (this rank's view of the slowest), CPU,
+    page faults (fresh memory touched: the main cost of a load from the page cache), peak
+    RSS growth."""
+    gc.collect()  # a collection of the previous step's garbage is not this step's cost
+    dist.barrier()
+    with PeakRss() as mem:
+        t0, c0, f0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        value = step()
+        cpu = time.process_time() - c0
+        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+        dist.barrier()
+        wall = time.perf_counter() - t0
+    return {"wall": wall, "cpu": cpu, "faults": faults, "peak": mem.peak - mem.before}, value
+
+
+def all_to_all_floor(nbytes: int) -> None:
+    """``nbytes`` through all_to_all_single on every rank (the largest rank's shard: every rank
+    runs the same exchanges), split evenly over the ranks."""
+    world = dist.get_world_size()
+    largest = torch.tensor([nbytes], dtype=torch.int64)
+    dist.all_reduce(largest, op=dist.ReduceOp.MAX)
+    nbytes = int(largest)
+    piece = max(world, min(FLOOR_PIECE, nbytes) // world * world)
+    send, recv = torch.ones(piece, dtype=torch.uint8), torch.empty(piece, dtype=torch.uint8)
+    for _ in range(-(-nbytes // piece)):
+        dist.all_to_all_single(recv, send)
+
+
+# ---- the generic table ------------------------------------------------------------------
+
+def _generic_table(cfg: Config, ranges: SlotRanges, rank: int) -> LocalTable:
     """This rank's tensors of the table (empty: ids all MISS_ID, rows zero)."""
     start, size = ranges.start(rank), ranges.size(rank)
     return LocalTable(PREFIX, start, Column(IDS, torch.full((size,), MISS_ID, dtype=torch.int64)),
                       Column(SLOTS, torch.arange(start, start + size)),
                       {"counts": Column(COUNTS, torch.zeros(size, dtype=torch.int64))},
-                      [Column(k, torch.zeros(size, DIM)) for k in (EMB, OPT)])
+                      [Column(k, torch.zeros(size, cfg.dim)) for k in (EMB, OPT)])
 
 
-def local_bytes(table: LocalTable) -> int:
-    """Bytes of this rank's shard of the table: every buffer and row tensor."""
-    return sum(c.local.numel() * c.local.element_size() for c in (*table.buffers(), *table.rows))
+class BenchTable:
+    """One rank's table at one world size, as each benchmark measures it."""
+
+    def state(self) -> dict:
+        """What ``dcp.save``/``dcp.load`` take (the table's tensors, in place)."""
+        raise NotImplementedError
+
+    def save(self, ckpt: str) -> None:
+        dcp.save(self.state(), checkpoint_id=ckpt)
+
+    def plain(self, ckpt: str) -> None:
+        """A plain positional DCP load: what DCP alone reads."""
+        dcp.load(self.state(), checkpoint_id=ckpt)
+
+    def after_plain(self) -> None:
+        """Undo what a plain load breaks for the next step (untimed)."""
+
+    def check_state(self) -> None:
+        """The owner's own validation after a reshard."""
 
 
-def save_original(rank: int, world: int, ckpt: str, ids: int, slots: int, hash_size: int) -> None:
-    ranges = SlotRanges.even(slots, world)
-    table = local_table(ranges, rank)
-    shard, rows = original_shard(rank, world, ids, slots, hash_size)
-    for col, src in ((table.ids, shard.ids), (table.slots, shard.slots),
-                     (table.metadata["counts"], shard.metadata["counts"]),
-                     (table.rows[0], rows[EMB]), (table.rows[1], rows[OPT])):
-        col.local.copy_(src)
-    dcp.save(table_state_dict(table, slots), checkpoint_id=ckpt)
+class GenericTable(BenchTable):
+    """The generic table at one world size: this rank's ``LocalTable``."""
+
+    def __init__(self, cfg: Config, rank: int, world: int) -> None:
+        self.cfg, self.ranges = cfg, SlotRanges.even(cfg.slots, world)
+        self.table = _generic_table(cfg, self.ranges, rank)
+
+    def lookup(self) -> tuple[TableShard, torch.Tensor, torch.Tensor]:
+        t = self.table
+        return TableShard(t.start, t.ids.local, t.slots.local), t.rows[0].local, t.rows[1].local
+
+    def fill(self, rank: int, world: int, g: torch.Generator, ids: torch.Tensor) -> None:
+        t, k, size = self.table, int(ids.numel()), self.table.size
+        t.ids.local[:k] = ids
+        perm = t.start + torch.randperm(size - 1, generator=g)
+        t.slots.local.copy_(torch.cat([perm[:k], perm[k:].sort().values, torch.tensor([t.start + size - 1])]))
+        t.metadata["counts"].local[:k] = torch.randint(1, 1 << 20, (k,), generator=g)
+        for col in t.rows:
+            col.local.copy_(torch.randn(col.local.shape, generator=g))
+
+    def state(self) -> dict:
+        return table_state_dict(self.table, self.cfg.slots)
+
+    def reshard(self, ckpt: str) -> tuple[int, int]:
+        report = load_table(ckpt, self.table, ownership=BlockOwnership(self.cfg.hash_size))
+        return report.kept_total, report.evicted_total
+
+    def shard_bytes(self) -> int:
+        return sum(c.local.nbytes for c in (*self.table.buffers(), *self.table.rows))
 
 
-def plain_load(rank: int, world: int, ckpt: str, slots: int) -> None:
-    """What DCP alone does: each rank reads its positional share of every buffer and row."""
-    table = local_table(SlotRanges.even(slots, world), rank)
-    dcp.load(table_state_dict(table, slots), checkpoint_id=ckpt)
+class TorchRecTable(BenchTable):
+    """The TorchRec model of the tests at one world size (``--torchrec``)."""
+
+    def __init__(self, cfg: Config, rank: int, world: int) -> None:
+        import torchrec_model as tm
+
+        self.tm = tm
+        self.model = tm.build(world, 0, cfg.slots, cfg.dim, cfg.hash_size)
+        self.mc = tm.mc_module(self.model)
+        # A plain positional load writes the saved output segments; the value-aware load
+        # keeps the model's own. Restored after each plain load (untimed) so that TorchRec's
+        # validate_state in the check after the reshard sees the model's.
+        self.segments = self.mc._output_segments_tensor.clone()
+
+    def lookup(self) -> tuple[TableShard, torch.Tensor, torch.Tensor]:
+        weight, momentum = self.tm.table_rows(self.model)
+        mc = self.mc
+        return TableShard(mc._output_global_offset, mc._mch_sorted_raw_ids, mc._mch_remapped_ids_mapping), \
+            weight, momentum
+
+    @torch.no_grad()
+    def fill(self, rank: int, world: int, g: torch.Generator, ids: torch.Tensor) -> None:
+        mc, k = self.mc, int(ids.numel())
+        size, start = mc.output_size(), mc._output_global_offset
+        mc._mch_sorted_raw_ids[:k] = ids
+        perm = start + torch.randperm(size - 1, generator=g)
+        mc._mch_remapped_ids_mapping.copy_(torch.cat([perm[:k], perm[k:].sort().values,
+                                                      torch.tensor([start + size - 1])]))
+        mc._mch_counts[:k] = torch.randint(1, 1 << 20, (k,), generator=g)
+        mc._mch_last_access_iter[:k] = torch.randint(0, 1000, (k,), generator=g)
+        mc._current_iter_tensor.fill_(1000)
+        for rows in self.tm.table_rows(self.model):
+            rows.copy_(torch.rand(rows.shape, generator=g))
+
+    def state(self) -> dict:
+        return self.tm.state_dict(self.model)
+
+    def after_plain(self) -> None:
+        self.mc._output_segments_tensor.copy_(self.segments)
+
+    def reshard(self, ckpt: str) -> tuple[int, int]:
+        from megatron_ckpt_fixes.reshard.torchrec_dmp import load
+
+        report = next(iter(load(self.state(), ckpt, self.model).values()))
+        return report.kept_total, report.evicted_total
+
+    def check_state(self) -> None:
+        self.model.load_state_dict(self.state()["model"])  # TorchRec's validate_state passes
+
+    def shard_bytes(self) -> int:
+        mc = self.mc
+        buffers = [mc._mch_sorted_raw_ids, mc._mch_remapped_ids_mapping, *mc._mch_metadata.values()]
+        return sum(t.nbytes for t in (*buffers, *self.tm.table_rows(self.model)))
 
 
-def load_both(rank: int, world: int, ckpt: str, out_ckpt: str | None, ids: int, slots: int,
-              hash_size: int, verify: bool, profile: bool = False) -> dict:
-    """Plain DCP load, then the value-aware reshard, measured one after the other."""
+def _table(cfg: Config, rank: int, world: int) -> BenchTable:
     torch.set_num_threads(1)
-    plain_load(rank, world, ckpt, slots)  # warm-up: page cache and code paths, for both runs
-    dist.barrier()
-    with PeakRss() as plain_mem:
-        t0, c0 = time.perf_counter(), time.process_time()
-        plain_load(rank, world, ckpt, slots)
-        plain_cpu = time.process_time() - c0
-        dist.barrier()
-        plain_s = time.perf_counter() - t0
-    ranges = SlotRanges.even(slots, world)
-    table = local_table(ranges, rank)
-    dist.barrier()
-    profiler = cProfile.Profile() if profile else None
-    with PeakRss() as reshard_mem:
-        t0, c0 = time.perf_counter(), time.process_time()
-        if profiler:
-            profiler.enable()
-        report = load_table(ckpt, table, ownership=BlockOwnership(hash_size))
-        if profiler:
-            profiler.disable()
-        reshard_cpu = time.process_time() - c0
-        dist.barrier()
-        reshard_s = time.perf_counter() - t0
-    wrong = -1
-    if verify:  # back at the original world size: rank r owns exactly its original ids
-        shard, original = original_shard(rank, world, ids, slots, hash_size)
-        real = shard.ids != MISS_ID
-        now = TableShard(table.start, table.ids.local, table.slots.local)
-        got = now.lookup(shard.ids[real]) - ranges.start(rank)
-        at = shard.slots[real] - shard.start
-        wrong = int((table.rows[0].local[got] != original[EMB][at]).any(1).sum()
-                    + (table.rows[1].local[got] != original[OPT][at]).any(1).sum())
-    if out_ckpt is not None:
-        dcp.save(table_state_dict(table, slots), checkpoint_id=out_ckpt)
-    mib = 1 << 20
-    return {"plain_s": plain_s, "reshard_s": reshard_s, "plain_cpu": plain_cpu,
-            "reshard_cpu": reshard_cpu,
-            "plain_peak": (plain_mem.peak - plain_mem.before) / mib,
-            "reshard_peak": (reshard_mem.peak - reshard_mem.before) / mib, "base": plain_mem.before / mib,
-            "evicted": report.evicted_total, "kept": report.kept_total, "wrong": wrong,
-            "shard": local_bytes(table) / mib, "profile": _top(profiler) if profiler and rank == 0 else ""}
+    return TorchRecTable(cfg, rank, world) if cfg.torchrec else GenericTable(cfg, rank, world)
 
 
-def _top(profiler: cProfile.Profile, n: int = 18) -> str:
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("tottime").print_stats(n)
-    return text.getvalue()
+def save_job(rank: int, world: int, ckpt: str, cfg: Config) -> dict:
+    """Fill this rank's table like a trained one (ids from its routing block) and save it;
+    returns sampled ids with their rows (Python values: exact, and no shared memory)."""
+    table = _table(cfg, rank, world)
+    g = torch.Generator().manual_seed(rank)
+    shard, _, _ = table.lookup()
+    k = min(cfg.ids // world, shard.size - 1)
+    block = -(-cfg.hash_size // world)
+    stride = block // k
+    ids = rank * block + torch.arange(k) * stride + torch.randint(0, stride, (k,), generator=g)
+    with torch.no_grad():
+        table.fill(rank, world, g, ids)
+    table.save(ckpt)
+    shard, emb, opt = table.lookup()
+    pick = torch.randperm(k, generator=g)[:SAMPLE]
+    local = shard.slots[pick] - shard.start
+    return {"ids": ids[pick].tolist(), "emb": emb[local].tolist(), "opt": opt[local].tolist()}
+
+
+def _check(table: BenchTable, cfg: Config, rank: int, world: int, samples: Sequence[dict]) -> tuple[int, int]:
+    """Sampled ids this rank serves now: found, with their saved rows bitwise. (checked, wrong)"""
+    table.check_state()
+    shard, emb, opt = table.lookup()
+    checked = wrong = 0
+    for sample in samples:
+        ids = torch.tensor(sample["ids"])
+        mine = (cfg.owner(ids, world) == rank).nonzero().squeeze(1)
+        local = shard.lookup(ids[mine]) - shard.start
+        for j, i in enumerate(mine.tolist()):
+            checked += 1
+            slot = int(local[j])
+            wrong += int(slot == shard.size - 1 or emb[slot].tolist() != sample["emb"][i]
+                         or opt[slot].tolist() != sample["opt"][i])
+    return checked, wrong
+
+
+def load_job(rank: int, world: int, ckpt: str, cfg: Config, samples: Sequence[dict], repeats: int,
+             profile: bool) -> dict:
+    """A warm-up plain load, then ``repeats`` rounds of plain load, floor and reshard."""
+    table = _table(cfg, rank, world)
+    table.plain(ckpt)  # warm-up: page cache and code paths, for both loads
+    table.after_plain()
+    shard = table.shard_bytes()
+    rounds, checked, wrong, kept, evicted, profile_text = [], 0, 0, 0, 0, ""
+    for r in range(repeats):
+        resident: dict[str, float | None] = {}
+        results: dict[str, dict] = {}
+        for what in (("plain", "reshard") if r % 2 == 0 else ("reshard", "plain")):
+            resident[what] = cache_resident(ckpt) if rank == 0 else None
+            if what == "plain":
+                results["plain"], _ = timed(lambda: table.plain(ckpt))
+                table.after_plain()
+            else:
+                prof = cProfile.Profile(time.process_time) if profile and r == 0 else None
+                results["reshard"], (kept, evicted) = timed(
+                    lambda: prof.runcall(table.reshard, ckpt) if prof else table.reshard(ckpt))
+                if prof:
+                    text = io.StringIO()
+                    pstats.Stats(prof, stream=text).sort_stats("tottime").print_stats(14)
+                    profile_text = text.getvalue()
+                if r == 0:
+                    checked, wrong = _check(table, cfg, rank, world, samples)
+        results["floor"], _ = timed(lambda: all_to_all_floor(shard))
+        rounds.append({"results": results, "resident": resident})
+    return {"rounds": rounds, "shard": shard, "checked": checked, "wrong": wrong, "kept": kept,
+            "evicted": evicted, "profile": profile_text}
+
+
+# ---- summary ----------------------------------------------------------------------------
+
+def _cell(values: Sequence[float], fmt: str) -> str:
+    med = statistics.median(values)
+    return f"{med:{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
+
+
+def summarize(name: str, direction: str, per_rank: list[dict]) -> tuple[str, list[str]]:
+    """One table row (median and range over the rounds) and the notes for a direction."""
+    rounds = len(per_rank[0]["rounds"])
+
+    def over(step: str, key: str, agg: Callable[[list[float]], float]) -> list[float]:
+        return [agg([r["rounds"][i]["results"][step][key] for r in per_rank]) for i in range(rounds)]
+
+    plain, ours, floor = over("plain", "wall", max), over("reshard", "wall", max), over("floor", "wall", max)
+    shard = max(r["shard"] for r in per_rank)
+    peak = [max(r["rounds"][i]["results"]["reshard"]["peak"] / r["shard"] for r in per_rank)
+            for i in range(rounds)]
+    plain_peak = [max(r["rounds"][i]["results"]["plain"]["peak"] / r["shard"] for r in per_rank)
+                  for i in range(rounds)]
+    row = (f"| {name} | {direction} | {_cell(plain, '.2f')} | {_cell(ours, '.2f')} | "
+           f"{_cell([o / p for o, p in zip(ours, plain)], '.2f')} | {_cell(floor, '.2f')} | "
+           f"{_cell(over('plain', 'cpu', sum), '.2f')} → {_cell(over('reshard', 'cpu', sum), '.2f')} | "
+           f"{_cell(over('plain', 'faults', sum), ',.0f')} → {_cell(over('reshard', 'faults', sum), ',.0f')} | "
+           f"{_cell(plain_peak, '.2f')} | {_cell(peak, '.2f')} | {shard / MIB:.0f} |")
+    resident = [v for r in per_rank[0]["rounds"] for v in r["resident"].values() if v is not None]
+    cache = (f"{min(resident):.0%}-{max(resident):.0%} of the checkpoint in the page cache before the "
+             f"timed loads" if resident else "page cache residency unknown (no fincore)")
+    first = per_rank[0]
+    notes = [f"{direction}: {rounds} rounds; {cache}; kept {first['kept']:,}, evicted {first['evicted']}; "
+             f"sampled ids checked {sum(r['checked'] for r in per_rank):,}, rows or optimizer rows "
+             f"differing: {sum(r['wrong'] for r in per_rank)}"]
+    notes += [f"{direction} rank {rank} CPU profile of the first reshard:\n{r['profile']}"
+              for rank, r in enumerate(per_rank) if r["profile"]]
+    return row, notes
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--ids", type=int, default=10_000_000, help="admitted ids in the table")
-    ap.add_argument("--slots", type=int, default=12_000_000, help="slots (embedding rows)")
-    ap.add_argument("--hash-size", type=int, default=1 << 40, help="input id space")
-    ap.add_argument("--profile", action="store_true", help="print rank 0's cProfile of each reshard")
     ap.add_argument("--torchrec", action="store_true",
-                    help="the real TorchRec model instead (4 -> 3; needs scripts/install_torchrec_cpu.sh)")
-    ap.add_argument("--zch", type=int, default=3_000_000, help="--torchrec: slots of the MC table")
-    ap.add_argument("--dim", type=int, default=16, help="--torchrec: embedding dim")
-    ap.add_argument("--fill", type=float, default=0.8, help="--torchrec: admitted ids / slots")
+                    help="the real TorchRec model (needs scripts/install_torchrec_cpu.sh)")
+    ap.add_argument("--slots", type=int, help="slots (embedding rows): default 12 M, --torchrec 3 M")
+    ap.add_argument("--ids", type=int, help="admitted ids: default 10 M, --torchrec 80%% of the slots")
+    ap.add_argument("--dim", type=int, help="embedding dim: default 8, --torchrec 16")
+    ap.add_argument("--hash-size", type=int, default=1 << 40, help="input id space")
+    ap.add_argument("--directions", default="4:3,3:4", help="saved:loaded world sizes, comma-separated")
+    ap.add_argument("--repeats", type=int, default=3, help="timed rounds per direction")
+    ap.add_argument("--profile", action="store_true", help="print each rank's CPU profile of the first reshard")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    if args.torchrec:
-        return torchrec_main(args)
-    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
-        c4, c3 = os.path.join(tmp, "at4"), os.path.join(tmp, "at3")
-        common = (args.ids, args.slots, args.hash_size)
-        steps = tqdm(total=3, desc="reshard benchmark", unit="run")
-        run_ranks(save_original, 4, c4, *common, timeout_s=900)
-        steps.update()
-        down = [r.value for r in run_ranks(load_both, 3, c4, c3, *common, False, args.profile,
-                                           timeout_s=900)]
-        steps.update()
-        up = [r.value for r in run_ranks(load_both, 4, c3, None, *common, True, args.profile,
-                                         timeout_s=900)]
-        steps.update()
-        steps.close()
-    lines = [f"ZCH table: {args.ids:,} ids, {args.slots:,} slots, dim {DIM} (+1 optimizer row "
-             f"per slot); torch {torch.__version__}, {os.cpu_count()} CPUs",
-             f"{'direction':<9} {'rank':>4} {'DCP load s':>10} {'reshard s':>9} {'time x':>6} "
-             f"{'DCP cpu s':>9} {'reshard cpu s':>13} {'DCP +peak MiB':>13} {'reshard +peak MiB':>17} "
-             f"{'shard MiB':>9} {'+peak/shard':>11}"]
-    for name, results in (("4 -> 3", down), ("3 -> 4", up)):
-        for rank, r in enumerate(results):
-            lines.append(f"{name:<9} {rank:>4} {r['plain_s']:>10.2f} {r['reshard_s']:>9.2f} "
-                         f"{r['reshard_s'] / r['plain_s']:>6.2f} {r['plain_cpu']:>9.2f} "
-                         f"{r['reshard_cpu']:>13.2f} {r['plain_peak']:>13.0f} {r['reshard_peak']:>17.0f} "
-                         f"{r['shard']:>9.0f} {r['reshard_peak'] / r['shard']:>11.2f}")
-    lines.append(f"4 -> 3: kept {down[0]['kept']:,}, evicted {down[0]['evicted']}; "
-                 f"3 -> 4: kept {up[0]['kept']:,}, evicted {up[0]['evicted']}; "
-                 f"rows differing from the original after 4 -> 3 -> 4: {sum(r['wrong'] for r in up)}")
-    for name, results in (("4 -> 3", down), ("3 -> 4", up)):
-        if results[0]["profile"]:
-            lines.append(f"rank 0 profile, {name}:\n{results[0]['profile']}")
-    logger.info("\n".join(lines))
-
-
-def torchrec_main(args: argparse.Namespace) -> None:
-    import reshard_torchrec as rt
-
-    with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
-        ckpt = os.path.join(tmp, "at4")
-        steps = tqdm(total=2, desc="torchrec reshard benchmark", unit="run")
-        samples = [r.value for r in run_ranks(rt.fill_and_save, 4, ckpt, args.zch, args.dim, args.fill,
-                                              timeout_s=900)]
-        steps.update()
-        down = [r.value for r in run_ranks(rt.load_both, 3, ckpt, args.zch, args.dim, samples, PeakRss,
-                                           timeout_s=900)]
-        steps.update()
-        steps.close()
-    lines = [f"TorchRec MC-EC: {args.zch:,} slots, dim {args.dim}, {args.fill:.0%} filled, exact Adagrad "
-             f"momentum; DMP row-wise fused; torch {torch.__version__}, {os.cpu_count()} CPUs",
-             f"{'direction':<9} {'rank':>4} {'DCP load s':>10} {'reshard s':>9} {'time x':>6} "
-             f"{'DCP +peak MiB':>13} {'reshard +peak MiB':>17} {'shard MiB':>9} {'+peak/shard':>11}"]
-    for rank, r in enumerate(down):
-        lines.append(f"{'4 -> 3':<9} {rank:>4} {r['plain_s']:>10.2f} {r['reshard_s']:>9.2f} "
-                     f"{r['reshard_s'] / r['plain_s']:>6.2f} {r['plain_peak']:>13.0f} {r['reshard_peak']:>17.0f} "
-                     f"{r['shard']:>9.0f} {r['reshard_peak'] / r['shard']:>11.2f}")
-    lines.append(f"kept {down[0]['kept']:,}, evicted {down[0]['evicted']}; sampled ids checked "
-                 f"{sum(r['checked'] for r in down):,}, rows or momentum differing: {sum(r['wrong'] for r in down)}")
-    logger.info("\n".join(lines))
+    slots = args.slots or (3_000_000 if args.torchrec else 12_000_000)
+    ids = args.ids or (int(0.8 * slots) if args.torchrec else 10_000_000)
+    cfg = Config(args.torchrec, slots, ids, args.dim or (16 if args.torchrec else 8), args.hash_size)
+    name = f"TorchRec, {slots / 1e6:g} M slots" if cfg.torchrec else f"generic, {ids / 1e6:g} M ids"
+    rows, notes = [], []
+    for direction in args.directions.split(","):
+        saved, loaded = (int(w) for w in direction.split(":"))
+        with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+            ckpt = os.path.join(tmp, f"at{saved}")
+            samples = [r.value for r in run_ranks(save_job, saved, ckpt, cfg, timeout_s=1800)]
+            per_rank = [r.value for r in run_ranks(load_job, loaded, ckpt, cfg, samples, args.repeats,
+                                                   args.profile, timeout_s=1800)]
+        row, more = summarize(name, f"{saved} → {loaded}", per_rank)
+        rows.append(row)
+        notes += more
+    what = (f"TorchRec MC-EC: {slots:,} slots, dim {cfg.dim}, {ids:,} ids, exact Adagrad; DMP row-wise "
+            "fused" if cfg.torchrec else f"generic table: {ids:,} ids, {slots:,} slots, dim {cfg.dim} "
+            "(+1 optimizer row per slot)")
+    logger.info("\n".join([
+        f"{what}; torch {torch.__version__}, {os.cpu_count()} CPUs, load average "
+        f"{', '.join(f'{v:.1f}' for v in os.getloadavg())} at the end",
+        "cells: median (min-max) over the rounds; times: the slowest rank; +peak: the largest rank",
+        "| table | direction | plain DCP load s | reshard s | time × DCP | all_to_all floor s | "
+        "CPU s (all ranks) DCP → reshard | page faults (all ranks) DCP → reshard | DCP +peak / shard | "
+        "reshard +peak / shard | shard MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|", *rows, *notes]))
 
 
 if __name__ == "__main__":

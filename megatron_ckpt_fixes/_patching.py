@@ -110,7 +110,7 @@ def _name(obj: Any) -> str:
     return getattr(obj, "__name__", None) or repr(obj)
 
 
-def _read_problem(symbol: str) -> str | None:
+def read_problem(symbol: str) -> str | None:
     """A symbol ``module:Class.attr`` must be defined on ``Class`` itself, not inherited."""
     found, problem = _resolved(symbol)
     module_name, _, qualname = symbol.partition(":")
@@ -145,7 +145,7 @@ def requirement_problems(patch: Patch) -> list[str]:
         elif not patch.adds and _raw(alias_owner, patch.attr) is not original:
             problems.append(f"{alias}.{patch.attr} is no longer the object {where}: the patch "
                             "would miss the callers that use it")
-    problems += [p for p in map(_read_problem, patch.reads) if p]
+    problems += [p for p in map(read_problem, patch.reads) if p]
     for probe in patch.probes:
         try:
             problems += probe()

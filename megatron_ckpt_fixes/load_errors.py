@@ -5,7 +5,9 @@ wall of per-rank tracebacks; with 0.19 load planning is rank-local, so only the 
 key is missing raises and the others carry on with a partial load. The patched
 ``dist_checkpointing.load`` agrees on the outcome: each rank contributes its own cause and
 every rank raises the same :class:`CheckpointLoadError`, one line per failing rank naming
-the cause (which names the key).
+the cause (which names the key). A checkpoint that a newer megatron-core wrote, in a format
+this one cannot read, is one line instead, the same on every rank: what happened and what is
+missing (:mod:`.newer_checkpoint`).
 
 The raised error keeps the class upstream raised: it is built as a subclass of both
 :class:`CheckpointLoadError` and the class the (lowest) failing rank saw, so
@@ -25,6 +27,8 @@ from torch.distributed.checkpoint import CheckpointException
 from ._patching import Patch
 from .agreement import agree, rank_and_size
 from .errors import MegatronCkptFixesError
+from .newer_checkpoint import PREFIX as NEWER_WRITER
+from .newer_checkpoint import newer_writer_reason
 
 _HINTS = {
     "Missing key in checkpoint state_dict": "the checkpoint has no entry for this key: it was "
@@ -52,8 +56,12 @@ class CheckpointLoadError(MegatronCkptFixesError):
     def __init__(self, checkpoint_dir: Any, causes: dict[int, str],
                  local_failures: dict[int, Any]) -> None:
         lines = [f"  rank {rank}: {cause}" for rank, cause in sorted(causes.items())]
-        self.summary = (f"cannot load checkpoint {checkpoint_dir} as requested; "
-                        f"{len(causes)} rank(s) failed:\n" + "\n".join(lines))
+        newer = {cause for cause in causes.values() if cause.startswith(NEWER_WRITER)}
+        if len(newer) == 1 and len(set(causes.values())) == 1:
+            self.summary = f"cannot load checkpoint {checkpoint_dir}: {newer.pop()}"
+        else:
+            self.summary = (f"cannot load checkpoint {checkpoint_dir} as requested; "
+                            f"{len(causes)} rank(s) failed:\n" + "\n".join(lines))
         # The upstream base's own __init__ is not called: the message is ours, and what
         # its handlers read (CheckpointException.failures) is set here.
         BaseException.__init__(self, self.summary)
@@ -127,6 +135,9 @@ def clear_load_errors(original: Callable[..., Any]) -> Callable[..., Any]:
             result = original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
         except (CheckpointException, Exception) as exc:  # noqa: BLE001 - agreed below
             causes, failures = _report(exc, rank)
+            newer = newer_writer_reason(checkpoint_dir)
+            if newer is not None:
+                causes = {r: newer for r in causes}
             report = (_class_path(exc), causes)
 
         def raise_as(_what: str, reports: dict[int, tuple[str, dict[int, str]]]) -> BaseException:

@@ -1,8 +1,10 @@
 """Checksums of every saved item: recorded at save time, checked by ``verify`` and at load.
 
-Reading order: :mod:`.record` (what is recorded, where, how it is checked) ->
+Reading order: :mod:`.algorithms` (which hash, and why) -> :mod:`.record` (what is recorded,
+where, how it is checked) -> :mod:`.hashing` (hashing beside the writer's I/O) ->
 :mod:`.writer` (where the bytes are: megatron-core's torch_dist writer; the feature's
-patches) -> :mod:`.load` (the collective check before a load).
+patches) -> :mod:`.load` (the collective check before a load). :mod:`.manifest` reads and
+checks megatron-core's own integrity manifest (``integrity.json``), for ``verify``.
 
     megatron_ckpt_fixes.install()                 # "checksums" is a default feature
     dist_checkpointing.save(sharded, ckpt_dir)    # writes ckpt_dir/.checksums.json too

@@ -52,7 +52,7 @@ def _check_share(checkpoint_dir: str, rank: int, world: int) -> tuple[ChecksumSu
     mine = share(items, rank, world)
     mismatches, unrecorded = check_items(checkpoint_dir, mine, record)
     return ChecksumSummary(status, len(items), len(mine) - len(unrecorded), len(unrecorded),
-                           len(mismatches)), mismatches
+                           len(mismatches), record.algorithm), mismatches
 
 
 def verify_checkpoint(checkpoint_dir: str | os.PathLike, group: Any = None) -> ChecksumSummary:

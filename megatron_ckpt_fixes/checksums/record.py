@@ -1,10 +1,11 @@
 """The checksum record of one checkpoint: what is recorded, where it lives, how it is checked.
 
 A torch_dist checkpoint's ``.metadata`` maps every saved item (a tensor chunk or an object) to
-a byte range of a data file. The record adds the CRC-32 of each such byte range, keyed by file
-and offset, in a sidecar next to ``.metadata`` (:data:`SIDECAR`). The checkpoint itself stays
-exactly what megatron-core and torch write and read: any loader, with or without this
-package, loads it, and a checkpoint saved without a record loads as before.
+a byte range of a data file. The record adds the checksum of each such byte range, keyed by
+file and offset, in a sidecar next to ``.metadata`` (:data:`SIDECAR`), and names its algorithm
+(:mod:`.algorithms`). The checkpoint itself stays exactly what megatron-core and torch write
+and read: any loader, with or without this package, loads it, and a checkpoint saved without
+a record loads as before.
 
 The record names the save it belongs to (``.metadata``'s ``storage_meta.save_id``, a new id
 for every save), so a sidecar left behind by an earlier save of the same directory is never
@@ -19,43 +20,60 @@ from __future__ import annotations
 import heapq
 import json
 import os
-import zlib
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+from .algorithms import DEFAULT, algorithm, checksum_of_range, read_buffer
 
 #: The sidecar's file name, inside the checkpoint directory (hidden, like ``.metadata``).
 SIDECAR = ".checksums.json"
 FORMAT = "megatron-ckpt-fixes/checksums"
-VERSION = 1
-ALGORITHM = "crc32"
-#: Bytes read at a time when checking a range, so a multi-GB item never sits in memory whole.
-READ_CHUNK = 64 << 20
+#: Version 2: any algorithm, hexadecimal values in a ``checksum`` column. Version 1 (read,
+#: no longer written): CRC-32 only, integers in a ``crc32`` column.
+VERSION = 2
 
 
 class RecordError(ValueError):
     """The sidecar exists but cannot be read as a checksum record."""
 
 
+def _columns_v1(doc: dict, columns: dict) -> list[int]:
+    if doc.get("algorithm") != "crc32":
+        raise ValueError("a version 1 record holds crc32 values only")
+    return [int(c) for c in columns["crc32"]]
+
+
+def _columns_v2(doc: dict, columns: dict) -> list[int]:
+    return [int(c, 16) for c in columns["checksum"]]
+
+
+_READERS = {1: _columns_v1, 2: _columns_v2}
+
+
 @dataclass(frozen=True)
 class ChecksumRecord:
-    """The CRC-32 of every byte range one save wrote: ``(file, offset) -> (length, crc32)``."""
+    """The checksum of every byte range one save wrote: ``(file, offset) -> (length,
+    checksum)``, all of one ``algorithm`` (a name in :data:`.algorithms.ALGORITHMS`)."""
 
     save_id: str | None
     checksums: dict[tuple[str, int], tuple[int, int]]
+    algorithm: str = DEFAULT.name
 
     def to_json(self) -> str:
-        """Columns per file (offsets, lengths, CRC-32s): a 100k-item record serializes in
+        """Columns per file (offsets, lengths, checksums): a 100k-item record serializes in
         tens of milliseconds on the coordinator, inside the save's finalize."""
-        files: dict[str, tuple[list[int], list[int], list[int]]] = {}
-        for (file, offset), (length, crc) in self.checksums.items():
+        fmt = algorithm(self.algorithm).format
+        files: dict[str, tuple[list[int], list[int], list[str]]] = {}
+        for (file, offset), (length, value) in self.checksums.items():
             columns = files.setdefault(file, ([], [], []))
             columns[0].append(offset)
             columns[1].append(length)
-            columns[2].append(crc)
-        return json.dumps({"format": FORMAT, "version": VERSION, "algorithm": ALGORITHM,
+            columns[2].append(fmt(value))
+        return json.dumps({"format": FORMAT, "version": VERSION, "algorithm": self.algorithm,
                            "save_id": self.save_id,
-                           "files": {file: {"offset": o, "length": n, "crc32": c}
+                           "files": {file: {"offset": o, "length": n, "checksum": c}
                                      for file, (o, n, c) in sorted(files.items())}},
                           separators=(",", ":"))
 
@@ -63,21 +81,23 @@ class ChecksumRecord:
     def from_json(cls, text: str) -> ChecksumRecord:
         try:
             doc = json.loads(text)
-            if doc.get("format") != FORMAT or doc.get("algorithm") != ALGORITHM:
-                raise ValueError(f"not a {ALGORITHM} record of {FORMAT}")
-            if doc.get("version") != VERSION:
+            if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+                raise ValueError(f"not a record of {FORMAT}")
+            read = _READERS.get(doc.get("version"))
+            if read is None:
                 raise ValueError(f"record version {doc.get('version')}, this package reads "
-                                 f"{VERSION}")
+                                 f"{', '.join(map(str, _READERS))}")
+            name = algorithm(doc.get("algorithm")).name
             checksums = {}
             for file, columns in doc["files"].items():
-                offsets, lengths, crcs = columns["offset"], columns["length"], columns["crc32"]
-                if not len(offsets) == len(lengths) == len(crcs):
+                offsets, lengths, values = columns["offset"], columns["length"], read(doc, columns)
+                if not len(offsets) == len(lengths) == len(values):
                     raise ValueError(f"columns of {file} differ in length")
-                checksums.update(((file, int(o)), (int(n), int(c)))
-                                 for o, n, c in zip(offsets, lengths, crcs))
+                checksums.update(((file, int(o)), (int(n), v))
+                                 for o, n, v in zip(offsets, lengths, values))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise RecordError(f"{SIDECAR} is unreadable: {exc}") from exc
-        return cls(doc.get("save_id"), checksums)
+        return cls(doc.get("save_id"), checksums, name)
 
 
 def write_record(checkpoint_dir: str | os.PathLike, record: ChecksumRecord) -> None:
@@ -112,20 +132,6 @@ def read_record(checkpoint_dir: str | os.PathLike) -> ChecksumRecord | None:
 def save_id_of(metadata: Metadata) -> str | None:
     storage_meta = getattr(metadata, "storage_meta", None)
     return getattr(storage_meta, "save_id", None)
-
-
-def crc32_of_range(path: str, offset: int, length: int) -> tuple[int, int]:
-    """``(crc32, bytes read)`` of ``length`` bytes at ``offset`` (fewer if the file is short)."""
-    crc, done = 0, 0
-    with open(path, "rb") as f:
-        f.seek(offset)
-        while done < length:
-            chunk = f.read(min(READ_CHUNK, length - done))
-            if not chunk:
-                break
-            crc = zlib.crc32(chunk, crc)
-            done += len(chunk)
-    return crc, done
 
 
 @dataclass(frozen=True)
@@ -172,6 +178,9 @@ def check_items(checkpoint_dir: str | os.PathLike, items: Iterable[Item],
 
     Returns the mismatches and the items the record has no checksum for.
     """
+    algo = algorithm(record.algorithm)
+    items = list(items)
+    buffer = read_buffer(max((i.length for i in items), default=0))
     mismatches, unrecorded = [], []
     for item in items:
         entry = record.checksums.get((item.file, item.offset))
@@ -187,13 +196,14 @@ def check_items(checkpoint_dir: str | os.PathLike, items: Iterable[Item],
         if not os.path.exists(path):
             mismatches.append(Mismatch(item, f"{item.file} is missing", "missing"))
             continue
-        found, read = crc32_of_range(path, item.offset, item.length)
+        found, read = checksum_of_range(path, item.offset, item.length, algo, buffer)
         if read != item.length:
             mismatches.append(Mismatch(item, f"{item.file} ends {item.length - read} bytes "
                                              "early", "short"))
         elif found != expected:
-            mismatches.append(Mismatch(item, f"checksum mismatch (recorded crc32 "
-                                             f"{expected:08x}, the file holds {found:08x})"))
+            mismatches.append(Mismatch(item, f"checksum mismatch (recorded {algo.name} "
+                                             f"{algo.format(expected)}, the file holds "
+                                             f"{algo.format(found)})"))
     return mismatches, unrecorded
 
 
@@ -210,6 +220,7 @@ class ChecksumSummary:
     checked: int = 0
     unrecorded: int = 0
     mismatched: int = 0
+    algorithm: str | None = None  # the record's, when it was read
 
     def __str__(self) -> str:
         if self.status == "absent":
@@ -217,7 +228,8 @@ class ChecksumSummary:
         if self.status == "stale":
             return (f"not checked ({SIDECAR} belongs to another save of this directory, "
                     "not to its .metadata)")
-        text = f"{self.checked - self.mismatched} of {self.items} item(s) match their checksums"
+        text = (f"{self.checked - self.mismatched} of {self.items} item(s) match their "
+                f"{self.algorithm} checksums")
         if self.mismatched:
             text += f", {self.mismatched} do not"
         if self.unrecorded:
@@ -233,7 +245,8 @@ def record_status(record: ChecksumRecord | None, metadata: Metadata) -> str:
 
 def share(items: Sequence[Item], rank: int, world: int) -> list[Item]:
     """This rank's part of the items for a collective check: balanced by bytes (largest
-    first, each to the least loaded rank), the same split on every rank."""
+    first, each to the least loaded rank), the same split on every rank; in file order, so
+    each rank reads its files front to back."""
     loads = [(0, r) for r in range(world)]  # a heap of (bytes assigned, rank)
     mine = []
     for item in sorted(items, key=lambda i: (-i.length, i.file, i.offset)):
@@ -241,4 +254,4 @@ def share(items: Sequence[Item], rank: int, world: int) -> list[Item]:
         heapq.heappush(loads, (load + item.length, owner))
         if owner == rank:
             mine.append(item)
-    return mine
+    return sorted(mine, key=lambda i: (i.file, i.offset))

@@ -1,16 +1,20 @@
 """Checksums recorded at save time, on megatron-core's torch_dist writer path.
 
 Every ``dist_checkpointing.save`` with the torch_dist format goes through
-``FileSystemWriterAsync``: its ``write_preloaded_data`` serializes each item with torch's
-``_write_item`` into a bucket file, in a forked process (megatron-core 0.16) or a writer
-thread (0.19), possibly inside megatron-core's async worker. The bytes exist only there, so
-that is where the checksum is taken:
+``FileSystemWriterAsync``: its ``write_preloaded_data`` writes one bucket file, serializing
+each item with torch's ``_write_item``, then fsyncs the file; it runs in a forked process
+(megatron-core 0.16) or a writer thread (0.19), possibly inside megatron-core's async worker.
+The bytes exist only there, so that is where the checksum is taken (:mod:`.algorithms` says
+which, :mod:`.hashing` how):
 
-- ``_write_item`` (as ``filesystem_async`` calls it) computes the CRC-32 of exactly the bytes
-  the item puts into the file and returns it in its ``WriteResult``. Small items are
-  serialized into memory first and checksummed in one C call (a Python tap on ``torch.save``'s
-  ~40 small writes per item would cost more than writing a small tensor); items above
-  :data:`BUFFER_LIMIT` stream through a tap, so no large item is held in memory twice.
+- ``_write_item`` (as ``filesystem_async`` calls it) checksums exactly the bytes the item puts
+  into the file. Small items are serialized into memory first and hashed in one call (a
+  Python tap on ``torch.save``'s ~40 small writes per item would cost more than writing a
+  small tensor); larger ones pass through a tap, so no large item is copied.
+- ``write_preloaded_data`` opens a batch for its file: the large items are hashed by a helper
+  thread while the writer writes the following items and fsyncs the file, and the batch puts
+  every checksum into its ``WriteResult`` before the results leave the writer (put on
+  megatron-core's results queue, or returned).
 - megatron-core already gathers every rank's write results on the coordinator, which builds
   ``.metadata`` from them in ``finish``: the patched ``finish`` writes the record
   (:mod:`.record`) from the same results just before ``.metadata``, so the two describe the
@@ -29,7 +33,6 @@ import logging
 import os
 import pickle
 import tempfile
-import zlib
 from collections.abc import Sequence
 from typing import Any, Callable
 
@@ -37,6 +40,8 @@ import torch
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .._patching import Patch
+from .algorithms import DEFAULT
+from .hashing import ItemTap, current_batch, hash_pieces, open_batch, owned_memory
 from .record import ChecksumRecord, remove_record, write_record
 
 logger = logging.getLogger(__name__)
@@ -44,15 +49,16 @@ logger = logging.getLogger(__name__)
 _FILESYSTEM_ASYNC = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 _WRITER = f"{_FILESYSTEM_ASYNC}:FileSystemWriterAsync"
 
-#: Items up to this many bytes are serialized into memory and checksummed in one call.
-BUFFER_LIMIT = 4 << 20
+#: Items up to this many bytes are serialized into memory and hashed in one call.
+BUFFER_LIMIT = 64 << 10
 
 
-#: Instance attribute of upstream's ``WriteResult`` that carries the item's checksum.
-CHECKSUM_ATTR = "crc32"
+#: Instance attribute of upstream's ``WriteResult`` that carries the item's checksum, as
+#: ``(algorithm name, value)`` (builtins only), or None when none was taken.
+CHECKSUM_ATTR = "checksum"
 
 
-def with_checksum(result: WriteResult, checksum: int | None) -> WriteResult:
+def with_checksum(result: WriteResult, checksum: tuple[str, int] | None) -> WriteResult:
     """Upstream's own ``WriteResult``, carrying ``checksum`` (None: not taken) in its
     instance dict.
 
@@ -69,26 +75,6 @@ def with_checksum(result: WriteResult, checksum: int | None) -> WriteResult:
     return result
 
 
-class _Tap:
-    """Forwards to the real stream; keeps the CRC-32 and count of every byte written."""
-
-    __slots__ = ("raw", "crc", "count")
-
-    def __init__(self, raw: Any) -> None:
-        self.raw = raw
-        self.crc = 0
-        self.count = 0
-
-    def write(self, data: Any) -> int:
-        self.crc = zlib.crc32(data, self.crc)
-        written = self.raw.write(data)
-        self.count += written
-        return written
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.raw, name)
-
-
 def _nbytes(data: Any) -> int:
     if isinstance(data, io.BytesIO):
         return data.getbuffer().nbytes
@@ -103,7 +89,8 @@ def _write_all(stream: Any, view: memoryview) -> None:
 
 
 def checksummed_write_item(original: Callable[..., WriteResult]) -> Callable[..., WriteResult]:
-    """Wrap torch's ``_write_item`` so its result carries the CRC-32 of the bytes written."""
+    """Wrap torch's ``_write_item`` so its result carries the checksum of the bytes written
+    (at once, or when the writer's batch resolves)."""
     names = list(inspect.signature(original).parameters)
     stream_at, data_at = names.index("stream"), names.index("data")
 
@@ -118,42 +105,83 @@ def checksummed_write_item(original: Callable[..., WriteResult]) -> Callable[...
     @functools.wraps(original)
     def _write_item(*args: Any, **kwargs: Any) -> WriteResult:
         stream = argument(args, kwargs, stream_at, "stream")
-        if _nbytes(argument(args, kwargs, data_at, "data")) <= BUFFER_LIMIT:
+        data = argument(args, kwargs, data_at, "data")
+        if _nbytes(data) <= BUFFER_LIMIT:
             buffer = io.BytesIO()
             new_args, new_kwargs = replaced(args, kwargs, stream_at, "stream", buffer)
             result = original(*new_args, **new_kwargs)
             start = stream.tell()
             with buffer.getbuffer() as view:
-                crc, written = zlib.crc32(view), view.nbytes
+                checksum, written = hash_pieces([view]), view.nbytes
                 _write_all(stream, view)
             stream.flush()  # as torch's own write does per item (megatron fsyncs the file)
             info = dataclasses.replace(result.storage_data,
                                        offset=start + result.storage_data.offset)
-        else:
-            tap = _Tap(stream)
-            new_args, new_kwargs = replaced(args, kwargs, stream_at, "stream", tap)
-            result = original(*new_args, **new_kwargs)
-            info, crc, written = result.storage_data, tap.crc, tap.count
-        return with_checksum(WriteResult(result.index, result.size_in_bytes, info),
-                             crc if written == info.length else None)
+            return with_checksum(WriteResult(result.index, result.size_in_bytes, info),
+                                 (DEFAULT.name, checksum) if written == info.length else None)
+        batch = current_batch()
+        tap = ItemTap(stream, owned_memory(data), deferred=batch is not None)
+        new_args, new_kwargs = replaced(args, kwargs, stream_at, "stream", tap)
+        result = original(*new_args, **new_kwargs)
+        info = result.storage_data
+        out = with_checksum(WriteResult(result.index, result.size_in_bytes, info), None)
+        if tap.count != info.length:  # bytes went elsewhere (a transform): nothing to vouch for
+            return out
+        if batch is None:
+            return with_checksum(out, (DEFAULT.name, tap.hasher.value()))
+        batch.submit(out, tap.pieces, data)
+        return out
 
     return _write_item
 
 
+class _ResolvingQueue:
+    """megatron-core's results queue, as its writer sees it: results put on it carry their
+    checksums (the batch is resolved first, after the writer's fsync)."""
+
+    def __init__(self, queue: Any, resolve: Callable[[], None]) -> None:
+        self._queue, self._resolve = queue, resolve
+
+    def put(self, *args: Any, **kwargs: Any) -> Any:
+        self._resolve()
+        return self._queue.put(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._queue, name)
+
+
+def checksummed_file_write(original: Callable[..., Any]) -> staticmethod:
+    """Wrap ``FileSystemWriterAsync.write_preloaded_data`` (one bucket file): its items'
+    checksums are hashed while it writes and fsyncs, and resolved before its results leave."""
+    signature = inspect.signature(original)
+
+    @functools.wraps(original)
+    def write_preloaded_data(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs)
+        with open_batch(CHECKSUM_ATTR) as batch:
+            queue = bound.arguments.get("results_queue")
+            if queue is not None:
+                bound.arguments["results_queue"] = _ResolvingQueue(queue, batch.resolve)
+            return original(*bound.args, **bound.kwargs)
+
+    return staticmethod(write_preloaded_data)
+
+
 def record_of(results: Sequence[Sequence[WriteResult]],
               save_id: str | None) -> tuple[ChecksumRecord, int]:
-    """The record of every rank's write results, and how many results had no checksum."""
+    """The record of every rank's write results, and how many results had no checksum (of
+    the algorithm this process records)."""
     checksums: dict[tuple[str, int], tuple[int, int]] = {}
     missing = 0
     for rank_results in results:
         for result in rank_results:
-            crc = getattr(result, CHECKSUM_ATTR, None)
-            if crc is None:
+            checksum = getattr(result, CHECKSUM_ATTR, None)
+            if checksum is None or checksum[0] != DEFAULT.name:
                 missing += 1
                 continue
             info = result.storage_data
-            checksums[(info.relative_path, info.offset)] = (info.length, crc)
-    return ChecksumRecord(save_id, checksums), missing
+            checksums[(info.relative_path, info.offset)] = (info.length, checksum[1])
+    return ChecksumRecord(save_id, checksums, DEFAULT.name), missing
 
 
 def recording_finish(original: Callable[..., None]) -> Callable[..., None]:
@@ -197,10 +225,26 @@ def _write_item_problems() -> list[str]:
     problems += [f"WriteResult has no field {name!r}"
                  for name in ("index", "size_in_bytes", "storage_data") if name not in fields]
     if not problems:
-        sent = pickle.loads(pickle.dumps(with_checksum(WriteResult(None, 0, None), 1)))
-        if getattr(sent, CHECKSUM_ATTR, None) != 1:
+        checksum = (DEFAULT.name, 1)
+        sent = pickle.loads(pickle.dumps(with_checksum(WriteResult(None, 0, None), checksum)))
+        if getattr(sent, CHECKSUM_ATTR, None) != checksum:
             problems.append("torch's WriteResult no longer carries an instance attribute "
                             "through pickle: checksums would be lost on the way")
+    return problems
+
+
+def _file_write_problems() -> list[str]:
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        FileSystemWriterAsync)
+
+    problems = []
+    if not isinstance(vars(FileSystemWriterAsync)["write_preloaded_data"], staticmethod):
+        problems.append("FileSystemWriterAsync.write_preloaded_data is no longer a "
+                        "staticmethod")
+    params = inspect.signature(FileSystemWriterAsync.write_preloaded_data).parameters
+    if "results_queue" not in params:
+        problems.append("FileSystemWriterAsync.write_preloaded_data has no parameter "
+                        "'results_queue': its results would leave before their checksums")
     return problems
 
 
@@ -227,7 +271,17 @@ PATCHES: tuple[Patch, ...] = (
         reads=("torch.distributed.checkpoint.storage:WriteResult",
                f"{_WRITER}.write_preloaded_data"),
         probes=(_write_item_problems,),
-        why="every saved item's bytes get a CRC-32, taken where megatron-core writes them",
+        why="every saved item's bytes get a checksum (xxh3_64), taken where megatron-core "
+            "writes them",
+    ),
+    Patch(
+        name="checksums.file_write",
+        target=_WRITER,
+        attr="write_preloaded_data",
+        build=checksummed_file_write,
+        probes=(_file_write_problems,),
+        why="the large items of a file are hashed while the writer writes and fsyncs it; "
+            "their checksums are in the write results before those leave the writer",
     ),
     Patch(
         name="checksums.finish",

@@ -37,6 +37,12 @@ def _verify(checkpoint_dir: str, megatron: bool) -> int:
         print(f"PROBLEM {problem}")
     if report.checksums is not None:
         print(f"checksums: {report.checksums}")
+    if report.manifest is not None:
+        print(f"integrity.json: {report.manifest}")
+    records = report.records()
+    print("records checked: " + (", ".join(records) if records else
+                                 "none (no checksums recorded for this save, no integrity.json):"
+                                 " its bytes were not checked"))
     kind = "megatron-core torch_dist" if megatron else "torch DCP"
     verdict = "OK" if not report.problems else f"{len(report.problems)} problem(s)"
     print(f"{checkpoint_dir}: {kind} checkpoint, {report.keys} keys, {verdict}")

@@ -11,9 +11,12 @@ all; the order follows what a load touches:
    directory) names a backend the installed megatron-core loads, and the common state loads
    (``common.pt``, or the ``common_state`` object of megatron-core >= 0.19) — both through
    megatron-core's own functions, so the verdict is the installed version's;
-5. every item's bytes match the checksums recorded at save time, when there are any.
+5. every item's bytes match the checksums recorded at save time (this package's
+   ``.checksums.json``), when there are any;
+6. every file matches megatron-core's own integrity manifest (``integrity.json``, SHA-256
+   per file, written by megatron-core >= 0.19 with ``verify_integrity=True``), when there is one.
 
-Checks 1-3 and 5 apply to any torch DCP checkpoint; 4 only to megatron-core's.
+Checks 1-3, 5 and 6 apply to any torch DCP checkpoint; 4 only to megatron-core's.
 """
 
 from __future__ import annotations
@@ -32,6 +35,13 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ..checksums.manifest import (
+    MANIFEST,
+    Manifest,
+    ManifestError,
+    ManifestSummary,
+    check_manifest,
+)
 from ..checksums.record import (
     SIDECAR,
     ChecksumSummary,
@@ -68,6 +78,16 @@ class Report:
     keys: int
     problems: list[Problem] = field(default_factory=list)
     checksums: ChecksumSummary | None = None
+    manifest: ManifestSummary | None = None
+
+    def records(self) -> list[str]:
+        """The kinds of record whose checksums were checked."""
+        kinds = []
+        if self.checksums is not None and self.checksums.status == "verified":
+            kinds.append(f"{SIDECAR} ({self.checksums.algorithm} per item)")
+        if self.manifest is not None:
+            kinds.append(f"{MANIFEST} (megatron-core's, {self.manifest.algorithm} per file)")
+        return kinds
 
 
 def read_metadata(checkpoint_dir: str) -> Metadata:
@@ -194,7 +214,19 @@ def checksum_problems(metadata: Metadata,
                 for m in mismatches
                 if m.kind not in ("missing", "short")]  # storage_problems names those
     return problems, ChecksumSummary(status, len(items), len(items) - len(unrecorded),
-                                     len(unrecorded), len(mismatches))
+                                     len(unrecorded), len(mismatches), record.algorithm)
+
+
+def manifest_problems(checkpoint_dir: str) -> tuple[list[Problem], ManifestSummary | None]:
+    """Every file against megatron-core's integrity manifest, when the checkpoint has one."""
+    try:
+        manifest = Manifest.read(checkpoint_dir)
+    except ManifestError as exc:
+        return [Problem(MANIFEST, str(exc))], None
+    if manifest is None:
+        return [], None
+    mismatches, summary = check_manifest(checkpoint_dir, manifest)
+    return [Problem(f"{MANIFEST}: {name}", cause) for name, cause in mismatches], summary
 
 
 def verify(checkpoint_dir: str, megatron: bool = True) -> Report:
@@ -212,5 +244,7 @@ def verify(checkpoint_dir: str, megatron: bool = True) -> Report:
     if megatron:
         report.problems += megatron_problems(checkpoint_dir)
     problems, report.checksums = checksum_problems(metadata, checkpoint_dir)
+    report.problems += problems
+    problems, report.manifest = manifest_problems(checkpoint_dir)
     report.problems += problems
     return report

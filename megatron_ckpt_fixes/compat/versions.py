@@ -2,7 +2,8 @@
 
 What a release *does* is detected from its behaviour and its symbols (see
 :mod:`megatron_ckpt_fixes._patching`); this range only says which releases the fixes have
-been run against (0.16.1 and 0.19.2 in CI, 0.17.1 and 0.18.2 by the detection tests).
+been run against (0.16.1, 0.19.2 and 0.20.0, built from Megatron-LM main, in CI; 0.17.1
+and 0.18.2 by the detection tests).
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ from packaging.version import Version
 from ..errors import UnsupportedVersionError
 
 #: Releases whose checkpoint internals the patches were written against and tested with.
-SUPPORTED_MCORE = SpecifierSet(">=0.16,<0.20")
+SUPPORTED_MCORE = SpecifierSet(">=0.16,<0.21")
 
 
 @lru_cache(maxsize=None)

@@ -8,33 +8,45 @@ its id, gets a free slot there, and its embedding and optimizer rows move with i
 id that was reachable before is reachable after, with bitwise-identical rows.
 
 Reading order: :mod:`.table` (data model, validation) -> :mod:`.ownership` (who serves an id)
--> :mod:`.exchange` (all_to_all of rows) -> :mod:`.errors` (agreed failures) ->
-:mod:`.resharder` (the algorithm) -> :mod:`.checkpoint` (one table through DCP) ->
+-> :mod:`.routing` (where a window's entries go) -> :mod:`.exchange` (all_to_all of entries)
+-> :mod:`.saved_rows` (where rows are read) -> :mod:`.errors` (agreed failures) ->
+:mod:`.window` (what a rank reads and checks) -> :mod:`.resharder` (the algorithm) ->
+:mod:`.checkpoint` (one table through DCP) ->
 :mod:`.torchrec_dmp` (every managed-collision table of a TorchRec model; imports TorchRec,
 so it is not imported here).
 """
 
-from .checkpoint import Column, LocalTable, load_table, saved_ranges, sharded_rows, table_state_dict
+from .checkpoint import (
+    CheckpointRows, Column, LocalTable, load_table, read_rows, saved_ranges, sharded_rows, table_state_dict,
+)
 from .errors import ReshardError
-from .ownership import BlockOwnership, KeyOwnership, ModuloOwnership
-from .resharder import ReshardReport, ReshardResult, ReshardSpec, SavedWindow, reshard
+from .ownership import BlockOwnership, KeyOwnership, ModuloOwnership, RangeOwnership
+from .resharder import ReshardReport, ReshardResult, reshard
+from .saved_rows import SavedRows, TensorRows
 from .table import MISS_ID, SlotRanges, TableShard
+from .window import ReshardSpec, SavedWindow, read_windows
 
 __all__ = [
     "MISS_ID",
     "BlockOwnership",
+    "CheckpointRows",
     "Column",
     "KeyOwnership",
     "LocalTable",
     "ModuloOwnership",
+    "RangeOwnership",
     "ReshardError",
     "ReshardReport",
     "ReshardResult",
     "ReshardSpec",
+    "SavedRows",
     "SavedWindow",
     "SlotRanges",
     "TableShard",
+    "TensorRows",
     "load_table",
+    "read_rows",
+    "read_windows",
     "reshard",
     "saved_ranges",
     "sharded_rows",

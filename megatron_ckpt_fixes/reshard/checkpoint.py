@@ -12,15 +12,19 @@ read from the chunks in DCP's ``.metadata``, never from file names.
 - same layout and every id already on the rank that serves it: read by position (the
   resumed state is bitwise the saved one, slots included);
 - anything else: :func:`~.resharder.reshard` moves every entry to the rank that serves its
-  id and its rows with it.
+  id, and that rank reads the entry's rows from the checkpoint (:class:`CheckpointRows`).
 
-Both ways read into scratch tensors and run every check, agreed by all ranks, before the
-first byte of the caller's tensors is written.
+Both ways read the ids, slots and metadata into scratch tensors and run every check, agreed
+by all ranks, before the first byte of the caller's tensors is written. Every read is a DCP
+load planned by one rank for its own ranges (:func:`read_rows`), so ranks read different
+ranges without a collective per read; their failures are agreed.
 """
 
 from __future__ import annotations
 
 import logging
+import math
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -30,12 +34,19 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, init_from_local_shards
+from torch.distributed.checkpoint import DefaultLoadPlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
+from torch.distributed.checkpoint.planner import LoadPlan
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from .. import agreement
-from .errors import ReshardError, check_problems, problem, require_same
+from .errors import ReshardError, problem, problems_error, run_agreed
+from .exchange import carve
 from .ownership import BlockOwnership, KeyOwnership
-from .resharder import ReshardReport, ReshardSpec, SavedWindow, reshard, window_problems
-from .table import MISS_ID, SlotRanges, TableShard, even_bounds
+from .resharder import ReshardReport, reshard
+from .saved_rows import RowFormat
+from .table import MISS_ID, SlotRanges, TableShard
+from .window import ReshardSpec, SavedWindow, read_windows, window_problems
 
 logger = logging.getLogger(__name__)
 
@@ -115,39 +126,129 @@ def saved_ranges(metadata: Any, table: LocalTable) -> SlotRanges:
     return ranges
 
 
-def _current_ranges(table: LocalTable, group: Any) -> SlotRanges:
-    chunks = agreement.gather((table.start, table.size), group)
-    return SlotRanges.from_chunks(table.name, chunks, "current layout")
+class _RowRanges(DefaultLoadPlanner):
+    """DCP's load planner for saved rows ``[start, start + len(t))`` of each key into a plain
+    tensor ``t``: any range, on any rank, planned by this rank alone (DCP's resharding reads
+    the saved chunks that overlap it)."""
+
+    def __init__(self, starts: Mapping[str, int]) -> None:
+        super().__init__()
+        self._starts = starts
+
+    def create_local_plan(self) -> LoadPlan:
+        md = self.metadata.state_dict_metadata
+        items = []
+        for key, tensor in self.state_dict.items():
+            offsets = torch.Size([self._starts[key]] + [0] * (tensor.dim() - 1))
+            items += create_read_items_for_chunk_list(key, md[key], [ChunkStorageMetadata(offsets, tensor.shape)])
+        return LoadPlan(items)
+
+    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
+        # The default looks a non-zero offset up in a ShardedTensor; here it is a plain tensor.
+        return self.state_dict[index.fqn]
 
 
-def _agreed(name: str, what: str, compute: Any, group: Any) -> Any:
-    """Run a local computation on every rank; agree on failure and on the result."""
-    rank = dist.get_rank(group)
+def read_rows(checkpoint_id: str, columns: Mapping[str, tuple[int, torch.Tensor]]) -> None:
+    """Saved rows ``[start, start + len(t))`` of each key into ``t``, for ``key: (start, t)``.
+    One DCP load of this rank's alone: not collective, so ranks read different amounts."""
+    with warnings.catch_warnings():  # DCP warns that no_dist means "a single process": intended
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        dcp.load({k: t for k, (_, t) in columns.items()}, checkpoint_id=checkpoint_id,
+                 planner=_RowRanges({k: start for k, (start, _) in columns.items()}), no_dist=True)
+
+
+@dataclass(frozen=True)
+class CheckpointRows:
+    """The row columns of a DCP checkpoint, by key: :class:`~.saved_rows.SavedRows`."""
+
+    checkpoint_id: str
+    metadata: Any  # the checkpoint's DCP ``Metadata``
+
+    def row_format(self, name: str) -> RowFormat:
+        entry = self.metadata.state_dict_metadata[name]
+        return entry.properties.dtype, tuple(entry.size[1:])
+
+    def read(self, name: str, start: int, out: torch.Tensor) -> None:
+        read_rows(self.checkpoint_id, {name: (start, out)})
+
+
+def _row_bytes(tensor: torch.Tensor) -> int:
+    return math.prod(tensor.shape[1:]) * tensor.element_size()
+
+
+def _window_buffers(table: LocalTable, n: int, size: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Scratch for ``n`` saved positions of every buffer of ``table``, at the front of one
+    byte buffer of at least ``size`` bytes that the later steps reuse (:func:`~.exchange.carve`)."""
+    shapes = [(c.local.dtype, (n, *c.local.shape[1:])) for c in table.buffers()]
+    arena = torch.empty(max(sum(-(-math.prod(s) * d.itemsize // 64) * 64 for d, s in shapes), size),
+                        dtype=torch.uint8)
+    return arena, {c.key: t for c, t in zip(table.buffers(), carve(arena, shapes))}
+
+
+@dataclass(frozen=True)
+class _Window:
+    """What one rank finds alone, before any collective: the checkpoint's metadata, the saved
+    layout, and its read window of the table's buffers (or the problems it met)."""
+
+    metadata: Any = None
+    saved: SlotRanges | None = None
+    start: int = 0
+    buffers: Mapping[str, torch.Tensor] = field(default_factory=dict)  # by checkpoint key
+    arena: torch.Tensor | None = None
+    problems: tuple[str, ...] = ()
+
+
+def _read_window(checkpoint_id: str, table: LocalTable, rank: int, world: int) -> _Window:
+    """Rank-local: the saved layout from the checkpoint's metadata and this rank's window
+    (whole saved ranks, :func:`~.window.read_windows`); a failure becomes a problem."""
+    step = "reading the metadata"
     try:
-        value, problems = compute(), []
-    except Exception as exc:  # noqa: BLE001 - raised on every rank by check_problems()
-        value, problems = None, [problem(name, rank, f"{what}: {exc}")]
-    check_problems(name, problems, group)
-    require_same(name, what, value, group)
-    return value
+        metadata = dcp.FileSystemReader(checkpoint_id).read_metadata()
+        step = "the saved layout"
+        saved = saved_ranges(metadata, table)
+        windows = read_windows(saved, world)
+        lo, hi = windows[rank], windows[rank + 1]
+        step = "reading its window"
+        # The buffer later holds the entries that arrive (as many as this rank has slots,
+        # unless it evicts) beside the window, then one saved chunk of a row column; pages
+        # never written stay untouched.
+        entry_bytes = sum(_row_bytes(c.local) for c in table.buffers())
+        entries = (hi - lo + table.size) * entry_bytes + 64 * len(table.buffers()) * 2
+        chunk = max(saved.size(c) for c in range(saved.world_size)) * \
+            max((_row_bytes(r.local) for r in table.rows), default=0)
+        arena, buffers = _window_buffers(table, hi - lo, max(entries, chunk))
+        read_rows(checkpoint_id, {k: (lo, t) for k, t in buffers.items()})
+    except (KeyboardInterrupt, SystemExit):
+        raise
+    except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException too; raised on every rank
+        return _Window(problems=(problem(table.name, rank, f"{step}: {agreement.describe_error(exc)}"),))
+    return _Window(metadata, saved, lo, buffers, arena)
 
 
-def _read(checkpoint_id: str, columns: Mapping[str, torch.Tensor], offset: int, total: int,
-          group: Any) -> None:
-    """One DCP load: saved rows ``[offset, offset + n)`` of every key into the given tensors."""
-    dcp.load({k: sharded_rows(t, offset, total, group) for k, t in columns.items()},
-             checkpoint_id=checkpoint_id, process_group=group)
-
-
-def _scratch(col: Column, n: int) -> torch.Tensor:
-    return torch.empty((n, *col.local.shape[1:]), dtype=col.local.dtype)
+def _layouts(name: str, facts: Sequence[tuple[int, int, tuple[int, ...] | None, tuple[str, ...]]]
+             ) -> tuple[SlotRanges, SlotRanges]:
+    """The saved and the current layout from every rank's ``(start, size, saved bounds,
+    problems)``. Every rank decides on the same gathered facts, so every rank raises the same
+    :class:`ReshardError` or none does."""
+    reports = {rank: list(problems) for rank, (*_, problems) in enumerate(facts) if problems}
+    if reports:
+        raise problems_error(name, reports)
+    saved = {bounds for _, _, bounds, _ in facts}
+    if len(saved) > 1:
+        differ = [rank for rank, (_, _, bounds, _) in enumerate(facts) if bounds != facts[0][2]]
+        raise ReshardError(f"cannot reshard table {name!r}: ranks {differ} read another saved layout "
+                           f"than rank 0: {facts[differ[0]][2]} against {facts[0][2]}")
+    target = SlotRanges.from_chunks(name, [(start, size) for start, size, _, _ in facts], "current layout")
+    return SlotRanges(facts[0][2]), target
 
 
 def load_table(checkpoint_id: str, table: LocalTable, *, ownership: KeyOwnership = BlockOwnership(),
                score: str | None = "counts", group: Any = None) -> ReshardReport:
     """Load ``table`` (this rank's live tensors, overwritten in place) from a checkpoint saved
     at any world size. Collective; every choice and every failure is agreed by all ranks, and
-    a failure leaves every caller tensor untouched.
+    a failure leaves every caller tensor untouched (a read that fails while the rows are
+    being written, after every check, is agreed too but leaves them partly written, as
+    DCP's own load does).
 
     ``ownership`` says which rank serves an id (the rule lookups route by); ``score`` names
     the metadata column that decides eviction (lowest first) when a rank receives more ids
@@ -155,45 +256,34 @@ def load_table(checkpoint_id: str, table: LocalTable, *, ownership: KeyOwnership
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     name = table.name
-    saved = _agreed(name, "the saved layout",
-                    lambda: saved_ranges(dcp.FileSystemReader(checkpoint_id).read_metadata(), table), group)
-    target = _agreed(name, "the current layout", lambda: _current_ranges(table, group), group)
-    spec = ReshardSpec(name, saved, target, saved.bounds if saved == target else even_bounds(saved.total, world),
-                       ownership, score)
-    lo, hi = spec.windows[rank], spec.windows[rank + 1]
-    buffers = {c.key: _scratch(c, hi - lo) for c in table.buffers()}
-    _read(checkpoint_id, buffers, lo, saved.total, group)
-
-    def reader(col: Column) -> Any:  # one wide column in memory at a time (see SavedWindow)
-        def read() -> torch.Tensor:
-            rows = _scratch(col, hi - lo)
-            _read(checkpoint_id, {col.key: rows}, lo, saved.total, group)
-            return rows
-        return read
-
-    window = SavedWindow(lo, buffers[table.ids.key], buffers[table.slots.key],
-                         {m: buffers[c.key] for m, c in table.metadata.items()},
-                         {c.key: reader(c) for c in table.rows})
+    local = _read_window(checkpoint_id, table, rank, world)
+    # One gather settles the layouts and every failure so far (each a barrier of its own otherwise).
+    saved, target = _layouts(name, agreement.gather(
+        (table.start, table.size, local.saved.bounds if local.saved else None, local.problems), group))
+    spec = ReshardSpec(name, saved, target, read_windows(saved, world), ownership, score)
+    buffers = local.buffers
+    window = SavedWindow(local.start, buffers[table.ids.key], buffers[table.slots.key],
+                         {m: buffers[c.key] for m, c in table.metadata.items()})
     if saved == target:
-        problems = window_problems(window, spec, rank, world, group=group, positional=True)
-        owners = spec.ownership.owner(window.ids[window.ids != MISS_ID], world) if not problems else None
-        elsewhere = owners is not None and bool((owners != rank).any())
-        moved = agreement.agree(elsewhere, None, f"loading table {name!r} by position", group)
-        check_problems(name, problems, group)
+        problems, sent = window_problems(window, spec, rank, world)
+        elsewhere = sent is not None and sent.elsewhere(rank)
+        moved = agreement.agree(elsewhere, problems or None, f"loading table {name!r} by position", group,
+                                raise_as=lambda _what, reports: problems_error(name, reports))
         if not moved:
             for col in table.buffers():
                 col.local.copy_(buffers[col.key])
-            _read(checkpoint_id, {c.key: c.local for c in table.rows}, lo, saved.total, group)
+            run_agreed(f"reading table {name!r}",
+                       lambda: read_rows(checkpoint_id, {c.key: (window.start, c.local) for c in table.rows}), group)
             report = _positional_report(name, window.ids, rank, group)
             _log(name, saved, world, "by position", report)
             return report
         # Same layout, but some id sits on a rank that does not serve it: move by value.
-    del buffers
     with torch.no_grad():
-        result = reshard(window, spec, out_rows={c.key: c.local for c in table.rows},
+        result = reshard(window, spec, CheckpointRows(checkpoint_id, local.metadata),
+                         {c.key: c.local for c in table.rows},
                          out_table=TableShard(table.start, table.ids.local, table.slots.local,
                                               {m: c.local for m, c in table.metadata.items()}),
-                         group=group)
+                         scratch=local.arena, group=group)
     _log(name, saved, world, "by value", result.report)
     return result.report
 

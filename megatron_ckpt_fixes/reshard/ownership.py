@@ -22,6 +22,22 @@ class KeyOwnership(Protocol):
         ...
 
 
+@runtime_checkable
+class RangeOwnership(KeyOwnership, Protocol):
+    """An ownership that routes ids by contiguous ranges (blocks), so that the ids of a
+    sorted run that go to one rank are found by a binary search per rank, with nothing
+    computed per id (``cuts``); ``owner`` still routes every id."""
+
+    def cuts(self, world_size: int) -> tuple[int, ...] | None:
+        """``b_0 <= ... <= b_W``: rank r serves the ids in ``[b_r, b_{r+1})``; ids outside
+        ``[b_0, b_W)`` go by ``owner``. ``None``: not by ranges at this world size."""
+        ...
+
+
+#: The largest id routed by range: int64 max is the miss id, never a real one.
+_ID_END = (1 << 63) - 1
+
+
 @dataclass(frozen=True)
 class BlockOwnership:
     """TorchRec's row-wise input bucketization (the default).
@@ -41,6 +57,10 @@ class BlockOwnership:
         inside = ids < block * world_size
         return torch.where(inside, torch.div(ids, block, rounding_mode="floor"),
                            torch.remainder(ids, world_size))
+
+    def cuts(self, world_size: int) -> tuple[int, ...]:
+        block = -(-self.input_hash_size // world_size)
+        return tuple(min(r * block, _ID_END) for r in range(world_size + 1))
 
 
 @dataclass(frozen=True)

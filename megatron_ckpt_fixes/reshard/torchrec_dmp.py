@@ -16,8 +16,8 @@ weight rows and the fused optimizer's per-row state -- and loads each table with
 :func:`~.checkpoint.load_table`, which moves every entry and its rows to the rank that serves
 its id now. Everything else (dense layers, other tables, the iteration counter) loads
 through plain DCP. The saved ``_output_segments_tensor`` describes the saved layout and is
-not loaded; TorchRec's own ``validate_state`` runs at the end on every table, so the usual
-``model.load_state_dict(state_dict["model"])`` afterwards passes.
+not loaded, so the usual ``model.load_state_dict(state_dict["model"])`` afterwards passes
+TorchRec's ``validate_state``.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import DefaultLoadPlanner
@@ -36,7 +37,6 @@ from torch.distributed.checkpoint._nested_dict import flatten_state_dict
 from torchrec.distributed.mc_embedding_modules import BaseShardedManagedCollisionEmbeddingCollection
 from torchrec.modules.mc_modules import MCHManagedCollisionModule
 
-from .. import agreement
 from .checkpoint import Column, LocalTable, load_table
 from .errors import ReshardError, require_same
 from .resharder import ReshardReport
@@ -66,6 +66,18 @@ class TorchRecRouting:
             None, None, -1, None, True, torch.tensor([self.buckets]))
         # ``position[i]``: where id i lands in the bucketized values, which are grouped by rank.
         return torch.searchsorted(torch.cumsum(lengths, 0), position, right=True)
+
+    def cuts(self, world_size: int) -> tuple[int, ...] | None:
+        """The ids of one bucket (a block of ``ceil(input_hash_size / buckets)`` ids) go to
+        one rank, the one the FBGEMM op gives the bucket's first id; by ranges when those
+        ranks do not decrease."""
+        block = -(-self.input_hash_size // self.buckets)
+        end = min(block * self.buckets, (1 << 63) - 1)
+        ranks = self.owner(torch.arange(self.buckets) * block, world_size).tolist()
+        if ranks != sorted(ranks):
+            return None
+        return tuple(min(next((b for b, r in enumerate(ranks) if r >= rank), self.buckets) * block, end)
+                     for rank in range(world_size)) + (end,)
 
 
 @dataclass(frozen=True)
@@ -161,18 +173,22 @@ def load(state_dict: dict[str, Any], checkpoint_id: str, model: torch.nn.Module,
     loaded in place. ``score``: the metadata column that decides eviction (lowest first) when
     a rank receives more ids than it has slots (tables without it evict the highest ids).
     Returns a report per table. Raises :class:`~.errors.ReshardError` on every rank when a
-    table cannot be loaded (it is then left untouched); TorchRec's ``validate_state`` runs on
-    every table at the end.
+    table cannot be loaded (it is then left untouched). The buffers are written sorted and
+    within the model's own segments, so the caller's ``model.load_state_dict`` afterwards
+    passes TorchRec's ``validate_state`` (which re-sorts them; not repeated here, it costs a
+    sort of every table).
     """
     group = process_group
     flat, _ = flatten_state_dict(state_dict)
     keys = _state_keys(flat)
-    found = agreement.run(lambda: [(t, _local_table(t, keys)) for t in _tables(model)],
-                          "finding the managed-collision tables of the model and their state-dict "
-                          "entries", group, raise_as=_reshard_error)
+    try:
+        found, problems = [(t, _local_table(t, keys)) for t in _tables(model)], []
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by require_same()
+        found, problems = [], [f"finding the managed-collision tables of the model and their state-dict "
+                               f"entries failed on rank {dist.get_rank(group)}: {exc}"]
     plan = [(lt.name, lt.ids.key, lt.slots.key, {m: c.key for m, c in lt.metadata.items()},
              [c.key for c in lt.rows]) for _, lt in found]
-    require_same("(all tables)", "the managed-collision tables and their checkpoint keys", plan, group)
+    require_same("(all tables)", "the managed-collision tables and their checkpoint keys", plan, group, problems)
     reports: dict[str, ReshardReport] = {}
     with torch.no_grad():
         for table, local in found:
@@ -182,13 +198,7 @@ def load(state_dict: dict[str, Any], checkpoint_id: str, model: torch.nn.Module,
     skip = {c.key for _, lt in found for c in (*lt.buffers(), *lt.rows)}
     skip |= {keys[_memory_key(t.segments)] for t, _ in found if _memory_key(t.segments) in keys}
     dcp.load(state_dict, checkpoint_id=checkpoint_id, planner=_WithoutKeys(skip), process_group=group)
-    agreement.run(lambda: [t.module.validate_state() for t, _ in found],
-                  "TorchRec's validate_state after the load", group, raise_as=_reshard_error)
     return reports
-
-
-def _reshard_error(what: str, errors: dict[int, Any]) -> ReshardError:
-    return ReshardError(agreement.describe_failures(what, errors))
 
 
 __all__ = ["TorchRecRouting", "load"]

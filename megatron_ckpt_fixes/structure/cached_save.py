@@ -18,6 +18,14 @@ validated again. The save where every rank agreed to replan therefore runs upstr
 unless it already ran in this save: the patched ``dist_checkpointing.save`` records, for the
 save it makes, whether the caller asked for validation.
 
+megatron-core >= 0.20 adds a cache outside the strategy objects: with ``pg_cache_path``
+(Megatron-LM's ``--ckpt-pg-tensors-cache-path``) the fully-parallel shard distribution is
+memoized per (cache directory, process group) for the life of the process, read from a file
+that an earlier job wrote (``pg_cache_create`` off) or written for later jobs (on). Every
+save uses the memo, with or without ``--ckpt-assume-constant-structure``, so a wrapper with
+a cache path is guarded too; on a change its group's entry is computed afresh from the
+state dict being saved (in create mode upstream also rewrites the file).
+
 The cache attributes are upstream's private state, so the patches probe a freshly built
 caching strategy at ``install()``: each attribute reset here must exist, and any attribute
 that looks like a cache but is not known here is refused (a cache this fix cannot reset is
@@ -34,29 +42,100 @@ import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from .._patching import Patch
+from .._patching import Patch, read_problem
 from ..agreement import agree
 from .guard import StructureGuard
 
 _STRATEGIES = "megatron.core.dist_checkpointing.strategies"
 
-#: Every save-plan cache attribute of TorchDistSaveShardedStrategy, with its empty value.
-PLAN_CACHES: dict[str, Any] = {
-    "cached_central_plan": None,
-    "cached_local_plan": None,
-    "cached_global_metadata": None,
-    "validated_cache_reuse": False,
-    "validated_loaded_metadata_reuse": False,
-    "_metadata_cache": None,
-}
-#: Caches not every supported release has: the CheckpointMetadataCache of megatron-core >= 0.17.
-LATER_PLAN_CACHES = frozenset({"_metadata_cache"})
-#: The fully-parallel wrapper's cached shard distribution.
-DISTRIBUTION_CACHES: dict[str, Any] = {"cached_distribution": None}
+
+@dataclass(frozen=True)
+class CacheLayers:
+    """The caches a strategy class keeps while it assumes a constant structure, and how a
+    structure change resets them."""
+
+    #: Instance attributes that turn caching on (any one set); the first exists everywhere.
+    switches: tuple[str, ...]
+    #: Cache attributes of the instance, with their empty values.
+    resets: dict[str, Any]
+    #: Attributes (switches, resets, settings) that only later releases have.
+    later: frozenset[str] = frozenset()
+    #: Known attributes that configure a cache without holding cached state.
+    settings: frozenset[str] = frozenset()
+    #: Resets what is cached outside the instance: ``(strategy, sharded_state_dict)``.
+    forget_elsewhere: Callable[[Any, Any], None] | None = None
+
+    def caching(self, strategy: Any) -> bool:
+        return any(getattr(strategy, s, None) not in (None, False) for s in self.switches)
+
+    def reset(self, strategy: Any, sharded_state_dict: Any) -> None:
+        """Collective when ``forget_elsewhere`` is: every rank that replans calls it."""
+        drop_caches(strategy, self.resets)
+        if self.forget_elsewhere is not None:
+            self.forget_elsewhere(strategy, sharded_state_dict)
+
+    def known(self) -> set[str]:
+        return {*self.switches, *self.resets, *self.settings}
+
+
+def forget_group_distribution(wrapper: Any, sharded_state_dict: Any) -> None:
+    """Collective over the wrapper's group: replace the process-wide memo of its shard
+    distribution (megatron-core >= 0.20, ``pg_cache_path``) by one of this state dict.
+
+    In create mode dropping the entry is enough: upstream's next call gathers, rewrites the
+    group's file and memoizes. In read mode it would read the file again, written for the
+    structure the job had when it was created, so the entry is computed here with
+    upstream's own (uncached) call, both variants (save and load) as upstream memoizes them.
+    """
+    if getattr(wrapper, "pg_cache_path", None) is None:
+        return
+    from megatron.core.dist_checkpointing import exchange_utils
+    from megatron.core.utils import get_pg_size
+
+    group = wrapper.parallelization_group
+    if get_pg_size(group=group) <= 1:  # upstream neither computes nor memoizes one
+        return
+    key = exchange_utils._pg_dist_cache_file_path(wrapper.pg_cache_path, group)
+    exchange_utils._PG_DIST_CACHE.pop(key, None)
+    if not wrapper.pg_cache_create:
+        exchange_utils._PG_DIST_CACHE[key] = {
+            ignore_groups: exchange_utils.determine_main_replica_uniform_distribution(
+                sharded_state_dict, group, ignore_groups)
+            for ignore_groups in (False, True)}
+
+
+#: TorchDistSaveShardedStrategy's save-plan caches (``_metadata_cache``: the
+#: CheckpointMetadataCache of megatron-core >= 0.17).
+PLAN_CACHES = CacheLayers(
+    switches=("use_cached_ckpt_structure",),
+    resets={
+        "cached_central_plan": None,
+        "cached_local_plan": None,
+        "cached_global_metadata": None,
+        "validated_cache_reuse": False,
+        "validated_loaded_metadata_reuse": False,
+        "_metadata_cache": None,
+    },
+    later=frozenset({"_metadata_cache"}),
+)
+#: The fully-parallel wrapper's cached shard distribution, and (megatron-core >= 0.20) the
+#: process-wide memo behind ``pg_cache_path``.
+DISTRIBUTION_CACHES = CacheLayers(
+    switches=("do_cache_distribution", "pg_cache_path"),
+    resets={"cached_distribution": None},
+    later=frozenset({"pg_cache_path", "pg_cache_create"}),
+    settings=frozenset({"pg_cache_create"}),
+    forget_elsewhere=forget_group_distribution,
+)
 
 _GUARD_ATTR = "_mcf_structure_guard"
 _ACTIVE_ATTR = "_mcf_structure_checked"
 _DC = "megatron.core.dist_checkpointing"
+#: What forget_group_distribution reads where the wrapper has ``pg_cache_path``.
+_PG_CACHE_READS = (f"{_DC}.exchange_utils:_PG_DIST_CACHE",
+                   f"{_DC}.exchange_utils:_pg_dist_cache_file_path",
+                   f"{_DC}.exchange_utils:determine_main_replica_uniform_distribution",
+                   "megatron.core.utils:get_pg_size")
 
 
 @dataclass
@@ -114,8 +193,7 @@ def validate_changed_structure(sharded_state_dict: Any, scope: SaveScope, what: 
         validation.determine_global_metadata(sharded_state_dict)[1])
 
 
-def guarded_save(original: Callable[..., Any], caching: Callable[[Any], bool],
-                 caches: dict[str, Any]) -> Callable[..., Any]:
+def guarded_save(original: Callable[..., Any], layers: CacheLayers) -> Callable[..., Any]:
     """Wrap a strategy's ``save``/``async_save`` with the collective structure check.
 
     A ``save`` that calls ``async_save`` on the same object checks once (the inner call
@@ -126,7 +204,7 @@ def guarded_save(original: Callable[..., Any], caching: Callable[[Any], bool],
     def save(self: Any, sharded_state_dict: Any, checkpoint_dir: Any,
              *args: Any, **kwargs: Any) -> Any:
         forget_reader_metadata(checkpoint_dir)
-        if not caching(self) or self.__dict__.get(_ACTIVE_ATTR):
+        if not layers.caching(self) or self.__dict__.get(_ACTIVE_ATTR):
             return original(self, sharded_state_dict, checkpoint_dir, *args, **kwargs)
         guard = guard_of(self)
         what = f"structure check of {type(self).__name__} before saving {checkpoint_dir}"
@@ -139,7 +217,7 @@ def guarded_save(original: Callable[..., Any], caching: Callable[[Any], bool],
         token = _SCOPE.set(scope)
         try:
             if guard.should_replan(sharded_state_dict, what, log_level=level):
-                drop_caches(self, caches)
+                layers.reset(self, sharded_state_dict)
                 validate_changed_structure(sharded_state_dict, scope, str(checkpoint_dir))
             return original(self, sharded_state_dict, checkpoint_dir, *args, **kwargs)
         except BaseException:
@@ -178,14 +256,13 @@ def _save_signature_problems() -> list[str]:
     return [f"{_DC}.serialization.save has no parameter 'validate_access_integrity'"]
 
 
-def cache_attribute_problems(fresh: Any, switch: str, caches: dict[str, Any],
-                             optional: frozenset[str] = frozenset()) -> list[str]:
+def cache_attribute_problems(fresh: Any, layers: CacheLayers) -> list[str]:
     """What a freshly built caching strategy lacks, or holds beyond what the fix resets."""
     what = type(fresh).__name__
     attrs = set(vars(fresh))
     problems = [f"a caching {what} has no attribute {a!r}"
-                for a in (switch, *caches) if a not in attrs and a not in optional]
-    unknown = sorted(a for a in attrs - set(caches) - {switch}
+                for a in layers.known() if a not in attrs and a not in layers.later]
+    unknown = sorted(a for a in attrs - layers.known()
                      if "cache" in a.lower() or a.startswith("validated"))
     problems += [f"a caching {what} has attribute {a!r}, which looks like a cache the "
                  "structure fix does not know how to reset" for a in unknown]
@@ -196,8 +273,7 @@ def _plan_cache_probe() -> list[str]:
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     return cache_attribute_problems(
-        TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True),
-        "use_cached_ckpt_structure", PLAN_CACHES, LATER_PLAN_CACHES)
+        TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True), PLAN_CACHES)
 
 
 def _distribution_cache_probe() -> list[str]:
@@ -206,22 +282,21 @@ def _distribution_cache_probe() -> list[str]:
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
     base = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
-    return cache_attribute_problems(
-        FullyParallelSaveStrategyWrapper(base, None, do_cache_distribution=True),
-        "do_cache_distribution", DISTRIBUTION_CACHES)
+    fresh = FullyParallelSaveStrategyWrapper(base, None, do_cache_distribution=True)
+    problems = cache_attribute_problems(fresh, DISTRIBUTION_CACHES)
+    if hasattr(fresh, "pg_cache_path"):  # the memo that forget_group_distribution resets
+        problems += [p for p in map(read_problem, _PG_CACHE_READS) if p]
+    return problems
 
 
-def _guarded_entry_points(prefix: str, target: str, switch: str, caches: dict[str, Any],
+def _guarded_entry_points(prefix: str, target: str, layers: CacheLayers,
                           probe: Callable[[], list[str]], why: str,
                           inherited: dict[str, str] | None = None) -> tuple[Patch, ...]:
     """``save`` and ``async_save`` of ``target``; ``inherited`` names the base class that
     defines one in the releases where ``target`` inherits it."""
-    def caching(strategy: Any) -> bool:
-        return bool(getattr(strategy, switch))
-
     return tuple(
         Patch(name=f"{prefix}.{attr}", target=target, attr=attr,
-              build=lambda original: guarded_save(original, caching, caches),
+              build=lambda original: guarded_save(original, layers),
               reads=(f"{_STRATEGIES}.cached_metadata_filesystem_reader:"
                      "CachedMetadataFileSystemReader",
                      f"{_DC}.validation:validate_sharding_integrity",
@@ -246,7 +321,6 @@ PATCHES: tuple[Patch, ...] = (
 ) + _guarded_entry_points(
     "structure.cached_save.plan",
     f"{_STRATEGIES}.torch:TorchDistSaveShardedStrategy",
-    "use_cached_ckpt_structure",
     PLAN_CACHES,
     _plan_cache_probe,
     "cached save plans are reused only while every rank's structure signature holds",
@@ -256,7 +330,6 @@ PATCHES: tuple[Patch, ...] = (
 ) + _guarded_entry_points(
     "structure.cached_save.distribution",
     f"{_STRATEGIES}.fully_parallel:FullyParallelSaveStrategyWrapper",
-    "do_cache_distribution",
     DISTRIBUTION_CACHES,
     _distribution_cache_probe,
     "the cached fully-parallel shard distribution is dropped when the structure changes",

@@ -31,13 +31,18 @@ def leave_together() -> None:
 
 
 def main() -> int:
+    """pytest for this rank. Each rank gets its own ``--basetemp`` under the run's folder:
+    the suite's shared checkpoint directory (``tmp_path_dist_ckpt``) is two levels above it,
+    so the ranks of one run share it and no other pytest on the machine does (by default it
+    is ``/tmp/pytest-of-<user>/tmp_dist_ckpt`` for every suite run of the user at once)."""
     out = Path(sys.argv[1])
     rank = os.environ.get("RANK", "0")
-    out.mkdir(parents=True, exist_ok=True)
+    (out / "tmp").mkdir(parents=True, exist_ok=True)
     with open(out / f"rank{rank}.log", "w") as log:
         os.dup2(log.fileno(), 1)
         os.dup2(log.fileno(), 2)
-        code = int(pytest.main([*sys.argv[2:], f"--junitxml={out / f'rank{rank}.xml'}"]))
+        code = int(pytest.main([*sys.argv[2:], f"--junitxml={out / f'rank{rank}.xml'}",
+                                f"--basetemp={out / 'tmp' / f'rank{rank}'}"]))
     leave_together()
     return code
 

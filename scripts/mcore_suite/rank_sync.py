@@ -8,9 +8,10 @@ cascade whose shape depends on timing. That would make two runs incomparable tes
 
 After each test every rank reports, through torchrun's TCP store (not the process group),
 whether the test failed there, and waits for all ranks. If it failed on any rank, every rank
-drops megatron-core's model-parallel state and destroys its process groups; the next test
-initializes them afresh (:func:`store_epoch` gives each re-initialization its own store
-keys). Each test thus starts from the state its own setup builds, as in a clean run.
+drops megatron-core's model-parallel state, destroys its process groups and rebuilds the
+default one (:func:`store_epoch` gives each re-initialization its own store keys); the next
+test builds megatron-core's groups afresh. Each test thus starts from the state its own
+setup builds, as in a clean run.
 """
 
 from __future__ import annotations
@@ -57,7 +58,13 @@ class RankSync:
         return int(self.store.add(f"{key}/failed", 0))
 
     def reset(self) -> None:
-        """Forget megatron-core's groups and destroy every process group, on every rank."""
+        """Forget megatron-core's groups and rebuild the default process group, on every rank.
+
+        In a clean run the default group, once a test has created it, lives until the end
+        (the suite's teardown drops only megatron-core's groups); tests that do not build
+        one themselves rely on it (``test_safe_globals`` barriers only if it exists). So a
+        default group that existed is made afresh here, as the suite's own helper makes it.
+        """
         global _epoch
         import megatron.core.parallel_state as ps
 
@@ -65,9 +72,12 @@ class RankSync:
             ps.destroy_model_parallel()
         except Exception as exc:  # noqa: BLE001 - a broken group is why we are here
             logger.warning("destroy_model_parallel during reset: %s", exc)
-        if dist.is_initialized():
+        had_default = dist.is_initialized()
+        if had_default:
             dist.destroy_process_group()
+        _epoch += 1
         utilities = sys.modules.get("tests.unit_tests.test_utilities")
         if utilities is not None:
+            if had_default:
+                utilities.Utils.initialize_distributed()
             utilities.Utils.inited = False
-        _epoch += 1

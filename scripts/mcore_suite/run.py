@@ -2,19 +2,21 @@
 """Run megatron-core's own dist_checkpointing unit tests on CPU/gloo, once per feature set of
 megatron_ckpt_fixes, and compare the runs test by test.
 
-    python scripts/mcore_suite/run.py --megatron-lm PATH --ref core_v0.16.1 \\
-        --out /tmp/mcore-suite-0.16.1 [--nproc 8] [--features compat.cpu --features all]
+    python scripts/mcore_suite/run.py --out /tmp/mcore-suite-0.16.1 [--ref core_v0.16.1] \\
+        [--nproc 8] [--features compat.cpu --features all] [-- tests...]
 
-PATH is a Megatron-LM git repository (a clone or a bare mirror); the suite's files at REF
-(``tests/unit_tests``, its conftest files and ``tests/test_utils``) are extracted with
-``git archive`` into OUT/suite and run unedited against the megatron-core installed in the
-running Python (never a megatron/ source tree: the plugin checks). Where the installed wheel
-does not ship ``megatron.training`` (0.16), the suite's helpers import it from the same REF.
+The suite comes from the Megatron-LM snapshot REF (``scripts/upstream_snapshots.py``; default:
+the snapshot matching the installed megatron-core): its ``tests/unit_tests``, conftest files
+and ``tests/test_utils`` are copied into OUT/suite and run unedited against the megatron-core
+installed in the running Python (never a megatron/ source tree: the plugin checks). Where the
+installed wheel does not ship ``megatron.training`` (0.16), the suite's helpers import it from
+the same snapshot.
 
 Runs one feature set at a time (the machine may be shared); each run writes OUT/<features>/
 rank<N>.xml and rank<N>.log, and cuda_sites-rank<N>.json (the lines that asked for CUDA).
 OUT/compare-<a>-vs-<b>.md is the comparison (see compare.py). Exit code 1 if any test's
-outcome differs between the first feature set and another.
+outcome, or the exception class of a test failing in both, differs between the first feature
+set and another.
 """
 
 from __future__ import annotations
@@ -22,37 +24,49 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import os
+import shutil
 import socket
 import subprocess
 import sys
-import tarfile
-import tempfile
 import time
+import tomllib
 from pathlib import Path
+
+import psutil
 
 import compare
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent))
+import upstream_snapshots  # noqa: E402 - scripts/ itself is not a package
+
 SUITE_PATHS = ("tests/__init__.py", "tests/test_utils", "tests/unit_tests")
 TRAINING_PATHS = ("megatron/training", "megatron/legacy", "megatron/rl")
 DEFAULT_TESTS = "tests/unit_tests/dist_checkpointing"
 
 
-def _git(repo: Path, *args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
-
-
-def extract(repo: Path, ref: str, paths: tuple[str, ...], dest: Path) -> list[str]:
-    """``git archive`` the paths of ``paths`` that exist at ``ref`` into ``dest``."""
-    listed = _git(repo, "ls-tree", "--name-only", ref, *paths).stdout.decode().split()
-    present = [p for p in paths if p in listed]
-    dest.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryFile() as archive:
-        archive.write(_git(repo, "archive", "--format=tar", ref, *present).stdout)
-        archive.seek(0)
-        with tarfile.open(fileobj=archive) as tar:
-            tar.extractall(dest, filter="data")
+def copy_paths(tree: Path, paths: tuple[str, ...], dest: Path) -> list[str]:
+    """Copy the paths of ``paths`` that exist in the snapshot ``tree`` into ``dest``."""
+    present = [p for p in paths if (tree / p).exists()]
+    for path in present:
+        target = dest / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if (tree / path).is_dir():
+            shutil.copytree(tree / path, target, dirs_exist_ok=True)
+        else:
+            shutil.copy2(tree / path, target)
     return present
+
+
+def write_pytest_ini(tree: Path, suite: Path) -> None:
+    """The suite's own pytest settings (markers, file pattern) as ``suite/pytest.ini``, so that
+    pytest's rootdir is the suite and no configuration above it (this project's, when OUT is
+    inside the checkout) applies. Upstream's ``addopts`` stay out: its ``-x`` would stop at
+    the first failure and hide every later difference; run.py passes its own options."""
+    options = tomllib.loads((tree / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]
+    lines = ["[pytest]", f"python_files = {options['python_files']}", "markers ="]
+    lines += [f"    {marker}" for marker in options.get("markers", [])]
+    (suite / "pytest.ini").write_text("\n".join(lines) + "\n")
 
 
 def _free_port() -> int:
@@ -61,9 +75,17 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
+#: Exit code of a run that outlived ``--run-timeout`` (as ``timeout(1)`` says it).
+TIMED_OUT = 124
+
+
 def run_suite(suite: Path, features: str, out: Path, nproc: int, python_path: list[Path],
-              pytest_args: list[str]) -> tuple[int, float]:
-    """One run of the suite on ``nproc`` ranks with ``MCF_FEATURES=features``."""
+              pytest_args: list[str], run_timeout: float) -> tuple[int, float]:
+    """One run of the suite on ``nproc`` ranks with ``MCF_FEATURES=features``.
+
+    A rank stuck in a collective that its peer left (a gloo connection that failed under
+    load, say) can block the run for good; past ``run_timeout`` every process of the run
+    is killed and the run counts as failed (:data:`TIMED_OUT`)."""
     port = _free_port()
     env = dict(os.environ,
                MCF_FEATURES=features,
@@ -81,31 +103,44 @@ def run_suite(suite: Path, features: str, out: Path, nproc: int, python_path: li
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                    f"--master-port={port}", *launcher[1:]]
     start = time.monotonic()
-    code = subprocess.run(command, cwd=suite, env=env).returncode
+    process = subprocess.Popen(command, cwd=suite, env=env)
+    try:
+        code = process.wait(timeout=run_timeout)
+    except subprocess.TimeoutExpired:
+        # torchrun starts each rank in a session of its own: kill the whole tree
+        for child in [*psutil.Process(process.pid).children(recursive=True), process]:
+            child.kill()
+        process.wait()
+        code = TIMED_OUT
     return code, time.monotonic() - start
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--megatron-lm", type=Path, required=True,
-                        help="Megatron-LM git repository (clone or bare mirror)")
-    parser.add_argument("--ref", required=True, help="tag or commit of the tests, e.g. core_v0.16.1")
+    parser.add_argument("--ref", help="Megatron-LM snapshot of the tests (core_v0.16.1, "
+                        "core_v0.19.0, main; default: the installed megatron-core's)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--features", action="append",
                         help="MCF_FEATURES of a run (repeatable; default: compat.cpu, all); "
                              "the first is the baseline")
     parser.add_argument("--nproc", type=int, default=1, help="ranks (torchrun when > 1)")
     parser.add_argument("--timeout", type=int, default=300, help="per-test timeout, seconds")
+    parser.add_argument("--run-timeout", type=float, default=3600,
+                        help="limit of one feature set's run, seconds (a hang fails the run)")
     parser.add_argument("pytest_args", nargs="*",
                         help=f"tests and pytest options after -- (default: {DEFAULT_TESTS})")
     args = parser.parse_args(argv)
     feature_sets = args.features or ["compat.cpu", "all"]
+    # the ranks run in the copied suite's folder: a relative --out would land inside it
+    args.out = args.out.resolve()
 
+    tree = upstream_snapshots.snapshot(args.ref)
     suite = args.out / "suite"
-    extract(args.megatron_lm, args.ref, SUITE_PATHS, suite)
+    copy_paths(tree, SUITE_PATHS, suite)
+    write_pytest_ini(tree, suite)
     python_path = []
     if importlib.util.find_spec("megatron.training") is None:
-        extract(args.megatron_lm, args.ref, TRAINING_PATHS, suite / "_mlm")
+        copy_paths(tree, TRAINING_PATHS, suite / "_mlm")
         python_path.append(suite / "_mlm")
     pytest_args = [f"--timeout={args.timeout}", "-p", "no:warnings", "-q", "-rA",
                    "--continue-on-collection-errors",
@@ -115,8 +150,13 @@ def main(argv: list[str] | None = None) -> int:
     for features in feature_sets:
         out = args.out / features.replace(",", "+")
         out.mkdir(parents=True, exist_ok=True)
-        code, seconds = run_suite(suite, features, out, args.nproc, python_path, pytest_args)
+        code, seconds = run_suite(suite, features, out, args.nproc, python_path, pytest_args,
+                                  args.run_timeout)
         print(f"MCF_FEATURES={features}: pytest exit {code} in {seconds:.0f} s ({out})")
+        if code == TIMED_OUT:
+            print(f"MCF_FEATURES={features}: killed after --run-timeout {args.run_timeout:.0f} s "
+                  f"(a rank hung; see {out}/rank*.log); no comparison")
+            return 1
         runs.append(out)
 
     differs = False
@@ -130,4 +170,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    try:
+        sys.exit(main())
+    except upstream_snapshots.SnapshotMissing as exc:
+        sys.exit(f"error: {exc}")

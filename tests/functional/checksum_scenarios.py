@@ -2,7 +2,10 @@
 
 Every rank saves the same kinds of items megatron-core checkpoints hold: a tensor split
 across ranks, a replicated one (written once, by its main replica), a tensor above the
-writer's in-memory limit (checksummed through the tap), per-rank objects and common state.
+writer's in-memory limit (checksummed through the tap, by the writer's helper thread while
+the file is written and fsynced), per-rank objects and common state. Each save path's
+checkpoint is then copied with one byte of the large tensor flipped: the collective check
+must name it on every rank.
 """
 
 from __future__ import annotations
@@ -118,6 +121,12 @@ def checksum_worker(rank: int, ws: int, root: str) -> dict[str, Any]:
         _save(sd, path, strategy, asynchronous)
         out[name] = {**_verify(path), "exact": _load_exact(path, rank, ws),
                      "sidecar": os.path.exists(os.path.join(path, SIDECAR))}
+        flipped = f"{path}-flipped"
+        if rank == 0:  # a byte of rank 0's chunk of "big" (hashed by the helper thread)
+            shutil.copytree(path, flipped)
+            out[name]["flipped_file"] = flip_tensor_byte(Path(flipped), "big", (0,))
+        dist.barrier()
+        out[name]["flipped"] = _verify(flipped)
 
     # A byte of rank 1's chunk of "w" flipped on disk after the save.
     corrupt = os.path.join(root, "corrupt")

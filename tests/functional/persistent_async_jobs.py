@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import inspect
 import os
+import shutil
 import tempfile
 import threading
 import time
+from pathlib import Path
 from typing import Any, Callable
 
 import torch
@@ -22,12 +24,18 @@ def worker_dies(*_args: Any, **_kwargs: Any) -> None:
     os._exit(7)
 
 
+#: Elements of the large tensor: above the checksummed writer's in-memory limit, so its
+#: checksum is taken by the worker's helper thread while the file is written and fsynced.
+BIG = 40_000
+
+
 def _save_request(rank: int, ws: int, root: str, step: int):
     from megatron.core import dist_checkpointing as dc
     from megatron.core.dist_checkpointing import ShardedTensor
 
     values = torch.arange(4.0) + 4 * rank + 100 * step
     tensor = ShardedTensor.from_rank_offsets("w", values, (0, rank, ws))
+    big = ShardedTensor.from_rank_offsets("big", torch.arange(float(BIG)) + rank, (0, rank, ws))
     path = os.path.join(root, f"step{step}")
     if rank == 0:
         os.makedirs(path)
@@ -36,7 +44,27 @@ def _save_request(rank: int, ws: int, root: str, step: int):
     # tests are about megatron-core's own persistent worker.
     mcore_async = ({"async_strategy": "mcore"}
                    if "async_strategy" in inspect.signature(dc.save).parameters else {})
-    return dc.save({"w": tensor}, path, async_sharded_save=True, **mcore_async), path
+    return dc.save({"w": tensor, "big": big}, path, async_sharded_save=True,
+                   **mcore_async), path
+
+
+def _flipped_verdict(rank: int, path: str) -> tuple[str, str] | None:
+    """The collective check of a copy of ``path`` with one byte of rank 0's chunk of "big"
+    flipped: (error class, message), or None if it passed."""
+    from ckpt_files import flip_tensor_byte
+
+    from megatron_ckpt_fixes.checksums import verify_checkpoint
+
+    flipped = f"{path}-flipped"
+    if rank == 0:
+        shutil.copytree(path, flipped)
+        flip_tensor_byte(Path(flipped), "big", (0,))
+    dist.barrier()
+    try:
+        verify_checkpoint(flipped)
+    except BaseException as exc:  # noqa: BLE001 - the class and message are the verdict
+        return type(exc).__name__, str(exc)
+    return None
 
 
 def _in_thread(fn: Callable[[], Any], worker: Callable[[], Any]) -> dict:
@@ -105,7 +133,8 @@ def persistent_save_worker(rank: int, ws: int, subset: str, kill_rank: int | Non
             loaded = dc.load({"w": template}, path)["w"]
             summary = verify_checkpoint(path)  # every saved item has a checksum that holds
             return (float((loaded - (torch.arange(4.0) + 4 * rank + 100 * step)).abs().max()),
-                    (summary.status, summary.checked == summary.items, summary.unrecorded))
+                    (summary.status, summary.checked == summary.items, summary.unrecorded),
+                    _flipped_verdict(rank, path) if subset == "all" else None)
         return go
 
     results = {"first": _in_thread(save(0, False), worker)}

@@ -189,15 +189,46 @@ def _check_metadata(ckpt: str, layouts: list[Layout]) -> list[str]:
     return wrong
 
 
-def make_strategy(kind: str):
+#: Fully-parallel wrappers with megatron-core >= 0.20's distribution cache
+#: (``--ckpt-pg-tensors-cache-path``): kind -> (do_cache_distribution, pg_cache_create).
+#: ``pg_only`` is the cache path without ``--ckpt-assume-constant-structure``; ``pg_read``
+#: reads the file that an earlier job created for the base structure.
+PG_CACHE_KINDS: dict[str, tuple[bool, bool]] = {
+    "pg_create": (True, True),
+    "pg_only": (False, True),
+    "pg_read": (True, False),
+}
+
+
+def _earlier_job_created(path: str, first: dict) -> None:
+    """What a job run with ``pg_cache_create`` left: the group's file (for ``first``'s
+    structure), and nothing in this process's memo."""
+    from megatron.core.dist_checkpointing import exchange_utils
+
+    exchange_utils.determine_main_replica_uniform_distribution(
+        first, dist.group.WORLD, pg_cache_path=path, pg_cache_create=True)
+    exchange_utils._PG_DIST_CACHE.clear()
+    dist.barrier()  # the group's writer rank has written the file
+
+
+def make_strategy(kind: str, root: str = "", first: dict | None = None):
+    """A fresh save strategy of ``kind``; ``root`` and ``first`` (the first state dict it
+    saves) only for the PG_CACHE_KINDS."""
     from megatron.core.dist_checkpointing.strategies.fully_parallel import (
         FullyParallelSaveStrategyWrapper,
     )
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    base = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
+    base = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=kind != "pg_only")
     if kind == "fully_parallel":
         return FullyParallelSaveStrategyWrapper(base, None, do_cache_distribution=True)
+    if kind in PG_CACHE_KINDS:
+        cache_distribution, create = PG_CACHE_KINDS[kind]
+        path = os.path.join(root, "pg_cache")
+        if not create:
+            _earlier_job_created(path, first)
+        return FullyParallelSaveStrategyWrapper(base, None, cache_distribution,
+                                                pg_cache_path=path, pg_cache_create=create)
     return base
 
 
@@ -222,7 +253,7 @@ def run_scenario(rank: int, ws: int, root: str, change: str, strategy: str = "pl
 
     base = base_layout(rank, ws)
     changed = CHANGES[change](rank, ws, base)
-    strat = make_strategy(strategy)
+    strat = make_strategy(strategy, root, base.state_dict(0))
     out = Outcome()
     idx = 0
     for _ in range(WARM_SAVES):
@@ -234,7 +265,7 @@ def run_scenario(rank: int, ws: int, root: str, change: str, strategy: str = "pl
         # save strategy, which may reuse it; save the unchanged structure once more.
         load_strat = TorchDistLoadShardedStrategy()
         dc.load(base.state_dict(None), os.path.join(root, f"s{idx - 1}"), load_strat)
-        strat = make_strategy(strategy)
+        strat = make_strategy(strategy, root, base.state_dict(idx))
         strat.cached_global_metadata = load_strat.cached_global_metadata
         dc.save(base.state_dict(idx), _new_dir(root, f"s{idx}"), sharded_strategy=strat)
         out.plan_reuse.append(plan_reused(strat))

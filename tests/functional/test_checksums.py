@@ -3,8 +3,9 @@
 Upstream twin: megatron-core (and torch DCP under it) never checks the bytes it reads, so a
 byte flipped in a tensor's data on disk loads as a different weight with no error, with plain
 upstream and with the fixes alike. With the checksums feature every save (sync, async,
-fully-parallel) records a CRC-32 of every item, ``verify_checkpoint`` finds the flip on every
-rank with the key and the file, and a checkpoint saved without checksums still loads.
+fully-parallel) records a checksum (xxh3_64) of every item, ``verify_checkpoint`` finds a
+flip in any of them on every rank with the key and the file, and a checkpoint saved without
+checksums still loads.
 """
 
 from __future__ import annotations
@@ -33,6 +34,18 @@ def test_every_saved_item_is_checksummed_and_matches(outcomes, run):
         assert result["exact"], f"rank {rank}: {run} did not load back exactly"
 
 
+@pytest.mark.parametrize("run", ["sync", "async", "fully_parallel"])
+def test_a_flipped_byte_of_a_large_item_is_caught_on_every_save_path(outcomes, run):
+    """The large item's checksum was taken by the writer's helper thread, beside the I/O."""
+    file = outcomes[0][run]["flipped_file"]
+    errors = [out[run]["flipped"] for out in outcomes]
+    assert errors[0]["error"] == errors[1]["error"], "ranks disagree"
+    message = errors[0]["error"]
+    assert "ChecksumError" in errors[0]["classes"]
+    assert f"'big' chunk at (0,) in {file}" in message, message
+    assert message.count("checksum mismatch (recorded xxh3_64") == 1, message
+
+
 def test_a_flipped_byte_loads_silently_upstream(outcomes):
     """The upstream failure: the load reads the flipped byte as data, no error."""
     assert outcomes[0]["corrupt"]["upstream_load_exact"]  # rank 0's chunk is intact
@@ -46,7 +59,7 @@ def test_a_flipped_byte_is_named_on_every_rank(outcomes):
     assert errors[0]["error"] == errors[1]["error"], "ranks disagree"
     message = errors[0]["error"]
     assert f"'w' chunk at ({4}, 0) in {file}" in message, message
-    assert "checksum mismatch (recorded crc32" in message
+    assert "checksum mismatch (recorded xxh3_64" in message
     assert message.count("checksum mismatch") == 1, message  # nothing else is reported
     for error in errors:
         assert {"ChecksumError", "CheckpointingException",

@@ -19,11 +19,15 @@ def test_upstream_worker_dies_at_start_and_the_trainer_waits_forever():
 
 def test_persistent_saves_run_and_a_dead_worker_raises_on_every_rank():
     """install() alone, no environment switch: the spawned worker has the trainer's fixes,
-    so its writes are checksummed (every saved item, checked)."""
+    so its writes are checksummed (every saved item, checked), and a byte flipped in a
+    large item (hashed by the worker's helper thread) is caught on every rank."""
     results = run_ranks(persistent_save_worker, 2, "all", 1, timeout_s=300)
+    flipped = [r.value["first"]["value"][2] for r in results]
+    assert flipped[0] == flipped[1] and flipped[0][0] == "ChecksumError", flipped
+    assert "'big' chunk at (0,)" in flipped[0][1] and "checksum mismatch" in flipped[0][1]
     for rank, r in enumerate(results):
         first, killed = r.value["first"], r.value["killed"]
-        assert first == {"value": (0.0, ("verified", True, 0)), "waiting": False,
+        assert first == {"value": (0.0, ("verified", True, 0), flipped[0]), "waiting": False,
                          "worker_exit": None}, (rank, first)
         assert not killed["waiting"], (rank, killed)  # raised within GRACE_S of the death
         name, message, classes = killed["error"]

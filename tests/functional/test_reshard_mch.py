@@ -17,7 +17,7 @@ import torch.distributed.checkpoint as dcp
 
 from megatron_ckpt_fixes.reshard import (
     MISS_ID, BlockOwnership, Column, LocalTable, ModuloOwnership, ReshardError, ReshardSpec, SavedWindow,
-    SlotRanges, TableShard, load_table, reshard, saved_ranges, table_state_dict,
+    SlotRanges, TableShard, TensorRows, load_table, reshard, saved_ranges, table_state_dict,
 )
 from megatron_ckpt_fixes.testing import run_ranks
 from reshard_upstream import slot_routed_tables
@@ -100,7 +100,7 @@ def _corrupt(shard: TableShard, rank: int, how: str | None, first_id_of_rank0: i
         ids[0] = first_id_of_rank0  # now admitted on two saved ranks
     elif how == "unsorted" and rank == 0:
         ids[0], ids[1] = ids[1].clone(), ids[0].clone()
-    elif how == "straddling_swap" and rank == 0:  # across the cut of 3 read windows (at 30)
+    elif how == "straddling_swap" and rank == 0:  # where an even split over 3 ranks cuts (at 30)
         ids[29], ids[30] = ids[30].clone(), ids[29].clone()
 
 
@@ -132,7 +132,13 @@ def load_rank(rank: int, world: int, saved_bounds: tuple[int, ...], seed: int, f
     block = -(-H // world)
     candidates = torch.arange(rank * block, min((rank + 1) * block, H))
     unknown = candidates[~torch.isin(candidates, torch.tensor(sorted(before)))][:50]
-    miss_src, miss_rows = saved_shard(saved_bounds, rank % (len(saved_bounds) - 1), seed, fill, rows)
+    # The miss row: the saved miss row of the saved rank that served most of the ids this rank
+    # holds now (ties: the lower one); without ids, of saved rank (rank mod N).
+    held = shard.ids[shard.ids != MISS_ID]
+    saved_ranks = range(len(saved_bounds) - 1)
+    served = [int(torch.isin(held, saved_shard(saved_bounds, r, seed, fill, rows)[0].ids).sum()) for r in saved_ranks]
+    source = max(saved_ranks, key=lambda r: (served[r], -r)) if held.numel() else rank % len(saved_ranks)
+    miss_src, miss_rows = saved_shard(saved_bounds, source, seed, fill, rows)
     miss_row_kept = all(torch.equal(col.local[ranges.size(rank) - 1], miss_rows[col.key][miss_src.size - 1])
                         for col in table.rows)
     saved = saved_shard(saved_bounds, rank, seed, fill, rows)[0] if saved_bounds == ranges.bounds else None
@@ -169,12 +175,16 @@ def save_many(rank: int, world: int, jobs: list[tuple]) -> None:
         save_rank(rank, world, saved, seed, fill, ckpt, corrupt, rows)
 
 
-def generic_rank(rank: int, world: int, mismatch: bool = False) -> list[str]:
+def generic_rank(rank: int, world: int, mismatch: bool = False, cut: bool = False) -> list[str]:
     """The generic API without DCP: modulo ownership, no score, an empty read window, metadata
-    of mixed dtypes and shapes, float64 rows. Returns the problems found (none expected)."""
-    saved, target, windows = SlotRanges((0, 10, 25)), SlotRanges((0, 8, 16, 30)), (0, 0, 12, 25)
+    of mixed dtypes and shapes, float64 rows. Returns the problems found (none expected).
+    ``mismatch``: rank 2 reads other windows than the others; ``cut``: every rank reads
+    windows that cut a saved rank's positions (both refused on every rank)."""
+    saved, target, windows = SlotRanges((0, 10, 25)), SlotRanges((0, 8, 16, 30)), (0, 0, 10, 25)
     if mismatch and rank == 2:
-        windows = (0, 1, 12, 25)
+        windows = (0, 10, 10, 25)
+    if cut:
+        windows = (0, 0, 12, 25)
     ids = torch.full((25,), MISS_ID, dtype=torch.int64)
     slots = torch.arange(25)
     ids[:6], slots[:10] = torch.tensor([3, 4, 8, 11, 20, 31]), torch.tensor([5, 0, 2, 1, 8, 3, 4, 6, 7, 9])
@@ -183,10 +193,9 @@ def generic_rank(rank: int, world: int, mismatch: bool = False) -> list[str]:
     meta = {"last": ids * 2, "f": torch.stack([ids.float(), -ids.float()], 1)}
     rows = {"w": torch.arange(25 * 3, dtype=torch.float64).reshape(25, 3)}
     lo, hi = windows[rank], windows[rank + 1]
-    win = SavedWindow(lo, ids[lo:hi], slots[lo:hi], {k: v[lo:hi] for k, v in meta.items()},
-                      {k: v[lo:hi] for k, v in rows.items()})
+    win = SavedWindow(lo, ids[lo:hi], slots[lo:hi], {k: v[lo:hi] for k, v in meta.items()})
     spec = ReshardSpec("generic", saved, target, windows, ModuloOwnership(), None)
-    res = reshard(win, spec)
+    res = reshard(win, spec, TensorRows(rows), {"w": torch.zeros(target.size(rank), 3, dtype=torch.float64)})
     out = res.table.problems("generic", rank)
     real = ids[ids != MISS_ID]
     mine = real[real % world == rank]
@@ -276,7 +285,8 @@ def runs(tmp_path_factory):
         loads.setdefault(len(target) - 1, []).append((bad, ("bad", (BAD_SAVED, SEED, 0.8, target, ckpt))))
     good = str(root / "2to3")
     loads[3] += [("layout_gap", ("bad", (CASES["2to3"][0], SEED, 0.4, LAYOUT_GAP, good))),
-                 ("generic", ("generic", ())), ("spec_mismatch", ("generic", (True,)))]
+                 ("generic", ("generic", ())), ("spec_mismatch", ("generic", (True,))),
+                 ("spec_cuts_saved_rank", ("generic", (False, True)))]
     for world, jobs in saves.items():
         run_ranks(save_many, world, jobs, timeout_s=150)
     out: dict[str, list] = {}
@@ -362,3 +372,9 @@ def test_generic_api_modulo_ownership_mixed_columns_empty_window(runs):
 def test_ranks_disagreeing_on_the_spec_fail_together(runs):
     messages = runs["spec_mismatch"]
     assert len(set(messages)) == 1 and "disagree" in messages[0] and "generic" in messages[0], messages
+
+
+def test_read_windows_that_cut_a_saved_rank_are_refused_on_every_rank(runs):
+    """Checks of a saved rank's positions are exact only when one rank reads them all."""
+    messages = runs["spec_cuts_saved_rank"]
+    assert len(set(messages)) == 1 and "cut a saved rank" in messages[0] and "generic" in messages[0], messages

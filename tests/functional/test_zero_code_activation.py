@@ -103,7 +103,7 @@ def test_the_resume_checks_the_recorded_checksums(jobs):
     root, _, (_, text, _) = jobs
     items = len(read_metadata(root / "iter2").storage_data)
     assert (f"checksums of {layout.checkpoint_dir(root / 'ckpt', 2)}: {items} of {items} "
-            "item(s) match their checksums") in text
+            "item(s) match their xxh3_64 checksums") in text
 
 
 def test_a_flipped_byte_stops_the_resume_on_every_rank(jobs):

@@ -32,16 +32,16 @@ TABLE, FEATURE = "t0", "f0"
 class Model(torch.nn.Module):
     """Sparse (managed-collision embeddings) and dense parts, like a small ranking model."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, zch: int = ZCH, dim: int = DIM, input_hash_size: int = H) -> None:
         super().__init__()
-        tables = [EmbeddingConfig(name=TABLE, embedding_dim=DIM, num_embeddings=ZCH, feature_names=[FEATURE])]
-        mch = MCHManagedCollisionModule(zch_size=ZCH, device=device, eviction_policy=DistanceLFU_EvictionPolicy(),
-                                        eviction_interval=1, input_hash_size=H, buckets=BUCKETS)
+        tables = [EmbeddingConfig(name=TABLE, embedding_dim=dim, num_embeddings=zch, feature_names=[FEATURE])]
+        mch = MCHManagedCollisionModule(zch_size=zch, device=device, eviction_policy=DistanceLFU_EvictionPolicy(),
+                                        eviction_interval=1, input_hash_size=input_hash_size, buckets=BUCKETS)
         self.sparse = ManagedCollisionEmbeddingCollection(
             EmbeddingCollection(tables=tables, device=torch.device("meta")),
             ManagedCollisionCollection({TABLE: mch}, embedding_configs=tables),
             return_remapped_features=True)
-        self.dense = torch.nn.Linear(DIM, 1)
+        self.dense = torch.nn.Linear(dim, 1)
 
     def forward(self, ids: KeyedJaggedTensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         emb, remapped = self.sparse(ids)
@@ -49,12 +49,14 @@ class Model(torch.nn.Module):
         return rows, remapped[FEATURE].values(), self.dense(rows).sum()
 
 
-def build(world: int, seed: int = 0) -> DistributedModelParallel:
+def build(world: int, seed: int = 0, zch: int = ZCH, dim: int = DIM, input_hash_size: int = H
+          ) -> DistributedModelParallel:
     """The model sharded over the default group: row-wise, fused kernel, exact Adagrad (the
-    CPU kernel's optimizers; rowwise Adagrad's eviction reset is CUDA-only)."""
+    CPU kernel's optimizers; rowwise Adagrad's eviction reset is CUDA-only). The tests use
+    the small defaults; ``benchmarks/bench_reshard.py --torchrec`` the same model at scale."""
     torch.manual_seed(seed)
     device = torch.device("cpu")
-    model = Model(device)
+    model = Model(device, zch, dim, input_hash_size)
     sharder = ManagedCollisionEmbeddingCollectionSharder(
         fused_params={"optimizer": EmbOptimType.EXACT_ADAGRAD, "learning_rate": 0.05})
     planner = EmbeddingShardingPlanner(
@@ -92,14 +94,17 @@ def mc_module(model: DistributedModelParallel) -> MCHManagedCollisionModule:
     return model.module.sparse._managed_collision_collection._managed_collision_modules[TABLE]
 
 
+def table_rows(model: DistributedModelParallel) -> tuple[torch.Tensor, torch.Tensor]:
+    """This rank's embedding rows and exact-Adagrad momentum rows of the table (live tensors)."""
+    tbe, index = model.module.sparse._table_to_tbe_and_index[TABLE]
+    return tbe.split_embedding_weights()[int(index)], tbe.split_optimizer_states()[int(index)][0]
+
+
 def local_truth(model: DistributedModelParallel) -> dict[int, dict]:
     """Every id this rank's table holds: its embedding row, optimizer row and metadata (as
     Python values: exact for float32, and they cross process boundaries without shared memory)."""
     mc = mc_module(model)
-    mod = model.module.sparse
-    tbe, index = mod._table_to_tbe_and_index[TABLE]
-    weight = tbe.split_embedding_weights()[int(index)]
-    state = tbe.split_optimizer_states()[int(index)][0]
+    weight, state = table_rows(model)
     out = {}
     ids, slots = mc._mch_sorted_raw_ids, mc._mch_remapped_ids_mapping
     for p, i in enumerate(ids.tolist()):
@@ -122,8 +127,7 @@ def local_rows(model: DistributedModelParallel, ids: torch.Tensor) -> list[list[
     """What this rank's table gives for ids routed to it: the row of the remapped slot, or
     None when the slot is outside the rank's range (FBGEMM refuses those in a forward)."""
     mc = mc_module(model)
-    tbe, index = model.module.sparse._table_to_tbe_and_index[TABLE]
-    weight = tbe.split_embedding_weights()[int(index)]
+    weight, _ = table_rows(model)
     slots = mc.remap({FEATURE: JaggedTensor(values=ids, lengths=torch.ones_like(ids))})[FEATURE].values()
     local = (slots - mc._output_global_offset).tolist()
     return [weight[s].tolist() if 0 <= s < weight.shape[0] else None for s in local]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import inspect
 import io
+import json
 import pickle
 import pickletools
 import subprocess
@@ -12,19 +13,27 @@ import zlib
 
 import pytest
 import torch
+import xxhash
 from torch.distributed.checkpoint.filesystem import _write_item
 from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
+from megatron_ckpt_fixes.checksums.algorithms import ALGORITHMS, DEFAULT, checksum_of_range
+from megatron_ckpt_fixes.checksums.hashing import ItemTap, hash_pieces, open_batch
 from megatron_ckpt_fixes.checksums.record import (
     ChecksumRecord,
     Item,
     RecordError,
-    crc32_of_range,
+    check_items,
     share,
 )
-from megatron_ckpt_fixes.checksums.writer import BUFFER_LIMIT, checksummed_write_item, record_of
+from megatron_ckpt_fixes.checksums.writer import (
+    BUFFER_LIMIT,
+    CHECKSUM_ATTR,
+    checksummed_write_item,
+    record_of,
+)
 
 PARAMS = inspect.signature(_write_item).parameters
 
@@ -49,29 +58,43 @@ def _call_args(stream, data, name):
 ITEMS = [("obj", io.BytesIO(b"pickled object bytes" * 10)),
          ("small", torch.arange(16.0)),
          ("large", torch.arange(BUFFER_LIMIT // 4 + 10, dtype=torch.float32)),  # tapped
+         ("big object", io.BytesIO(bytes(range(256)) * 1024)),  # tapped, BYTE_IO
+         ("view", torch.arange(2 * BUFFER_LIMIT, dtype=torch.float32)[:BUFFER_LIMIT // 2]),
          ("after", torch.ones(3, 5))]
 
 
-def _write_all(tmp_path, write, name):
+def _write_all(tmp_path, write, name, deferred=False):
+    """Write ITEMS into one file as megatron-core's writer does; ``deferred``: inside a
+    batch, resolved after the file is closed (as after megatron-core's fsync)."""
     path = tmp_path / name
-    with open(path, "wb") as stream:
-        results = []
-        for key, data in ITEMS:
-            if isinstance(data, io.BytesIO):
-                data.seek(0)
-            args, kwargs = _call_args(stream, data, key)
-            results.append(write(*args, **kwargs))
+    with open_batch(CHECKSUM_ATTR) as batch:
+        if not deferred:
+            batch.resolve()
+        with open(path, "wb") as stream:
+            results = []
+            for key, data in ITEMS:
+                if isinstance(data, io.BytesIO):
+                    data.seek(0)
+                args, kwargs = _call_args(stream, data, key)
+                results.append(write(*args, **kwargs))
+            if deferred:
+                assert len(batch.pending) == 3  # the tapped items; small ones are hashed at once
     return path, results
 
 
-def test_the_file_is_byte_identical_and_each_checksum_covers_its_range(tmp_path):
+def _checksum(path, info):
+    return DEFAULT.name, checksum_of_range(str(path), info.offset, info.length, DEFAULT)[0]
+
+
+@pytest.mark.parametrize("deferred", [False, True], ids=["inline", "deferred"])
+def test_the_file_is_byte_identical_and_each_checksum_covers_its_range(tmp_path, deferred):
     plain_path, plain = _write_all(tmp_path, _write_item, "plain.distcp")
-    path, results = _write_all(tmp_path, checksummed_write_item(_write_item), "sum.distcp")
+    path, results = _write_all(tmp_path, checksummed_write_item(_write_item), "sum.distcp",
+                               deferred)
     assert path.read_bytes() == plain_path.read_bytes()
     for before, after in zip(plain, results):
         assert after.storage_data == before.storage_data and after.index == before.index
-        info = after.storage_data
-        assert after.crc32 == crc32_of_range(str(path), info.offset, info.length)[0]
+        assert getattr(after, CHECKSUM_ATTR) == _checksum(path, after.storage_data)
 
 
 def test_the_stream_may_come_as_a_keyword(tmp_path):
@@ -82,7 +105,24 @@ def test_the_stream_may_come_as_a_keyword(tmp_path):
         kwargs.update(zip(names, args))
         result = wrapped(**kwargs)
     data = (tmp_path / "k.distcp").read_bytes()
-    assert result.crc32 == zlib.crc32(data) and result.storage_data.length == len(data)
+    assert result.checksum == ("xxh3_64", xxhash.xxh3_64_intdigest(data))
+    assert result.storage_data.length == len(data)
+
+
+def test_a_deferred_tap_keeps_the_items_storage_and_copies_any_other_buffer():
+    """The helper thread hashes after ``write`` returned: only memory the item owns may be
+    kept by reference; a writer's own buffer (reused at once) must be copied."""
+    tensor = torch.arange(BUFFER_LIMIT, dtype=torch.float32)
+    storage = tensor.untyped_storage()
+    owned = (storage.data_ptr(), storage.data_ptr() + storage.nbytes())
+    tap = ItemTap(io.BytesIO(), owned, deferred=True)
+    scratch = bytearray(b"h" * (2 * BUFFER_LIMIT))  # a large buffer the writer reuses
+    tap.write(memoryview(scratch))
+    tap.write(memoryview(tensor.numpy()).cast("B"))
+    expected = xxhash.xxh3_64_intdigest(bytes(scratch) + tensor.numpy().tobytes())
+    scratch[:] = bytes(len(scratch))  # reused after write returned
+    assert isinstance(tap.pieces[0], bytes) and isinstance(tap.pieces[1], memoryview)
+    assert hash_pieces(tap.pieces, tensor) == expected
 
 
 def _globals_in(pickled: bytes) -> set[str]:
@@ -104,14 +144,15 @@ def test_write_results_cross_process_queues_as_upstreams_class_only(tmp_path):
     torch's checkpoint modules and die of an import-lock deadlock (the persistent worker
     exited 1 in megatron-core's own test_async_save at 8 ranks). The results must need
     nothing beyond what upstream's own need, and keep their checksum across the pickle."""
-    _, results = _write_all(tmp_path, checksummed_write_item(_write_item), "p.distcp")
+    _, results = _write_all(tmp_path, checksummed_write_item(_write_item), "p.distcp",
+                            deferred=True)
     pickled = pickle.dumps(results)
     assert {m.split(".")[0] for m in _globals_in(pickled)} == {"torch"}, _globals_in(pickled)
     script = ("import pickle, sys; sys.modules['megatron_ckpt_fixes'] = None; "
-              "print([r.crc32 for r in pickle.loads(sys.stdin.buffer.read())])")
+              "print([r.checksum for r in pickle.loads(sys.stdin.buffer.read())])")
     out = subprocess.run([sys.executable, "-c", script], input=pickled, capture_output=True,
                          check=True)
-    assert out.stdout.decode().strip() == str([r.crc32 for r in results])
+    assert out.stdout.decode().strip() == str([r.checksum for r in results])
     assert all(type(r) is WriteResult for r in results)
 
 
@@ -122,13 +163,55 @@ def test_record_of_counts_results_without_a_checksum(tmp_path):
     assert missing == 1 and record.save_id == "save-1" and len(record.checksums) == len(ITEMS)
 
 
-def test_the_record_round_trips_and_refuses_what_it_cannot_read():
-    record = ChecksumRecord("id", {("a", 0): (10, 1), ("a", 10): (5, 2), ("b", 0): (7, 2**32 - 1)})
-    assert ChecksumRecord.from_json(record.to_json()) == record
-    for bad in ("{", '{"format": "other"}', record.to_json().replace('"crc32":[1,2]',
-                                                                    '"crc32":[1]')):
+@pytest.mark.parametrize("algorithm", sorted(ALGORITHMS))
+def test_the_record_round_trips_and_refuses_what_it_cannot_read(algorithm):
+    top = 2 ** (4 * ALGORITHMS[algorithm].digits) - 1
+    record = ChecksumRecord("id", {("a", 0): (10, 1), ("a", 10): (5, 2), ("b", 0): (7, top)},
+                            algorithm)
+    text = record.to_json()
+    assert ChecksumRecord.from_json(text) == record
+    doc = json.loads(text)
+    assert doc["algorithm"] == algorithm and all(  # hexadecimal: any JSON reader keeps them
+        isinstance(v, str) for f in doc["files"].values() for v in f["checksum"])
+    short = json.loads(text)
+    short["files"]["a"]["checksum"].pop()
+    unknown = {**doc, "algorithm": "md4"}
+    for bad in ("{", '{"format": "other"}', json.dumps(short), json.dumps(unknown)):
         with pytest.raises(RecordError, match="unreadable"):
             ChecksumRecord.from_json(bad)
+
+
+def _record_v1(record: ChecksumRecord) -> str:
+    """A record as the package wrote it before xxh3 (format version 1, CRC-32 integers)."""
+    files: dict = {}
+    for (file, offset), (length, crc) in record.checksums.items():
+        columns = files.setdefault(file, {"offset": [], "length": [], "crc32": []})
+        columns["offset"].append(offset)
+        columns["length"].append(length)
+        columns["crc32"].append(crc)
+    return json.dumps({"format": "megatron-ckpt-fixes/checksums", "version": 1,
+                       "algorithm": "crc32", "save_id": record.save_id, "files": files},
+                      separators=(",", ":"))
+
+
+def test_records_written_before_xxh3_still_verify(tmp_path):
+    """Version 1 records (CRC-32) read and check as before: a flipped byte is caught."""
+    path, results = _write_all(tmp_path, _write_item, "f.distcp")  # the results' file name
+    data = path.read_bytes()
+    crcs = {(r.storage_data.relative_path, r.storage_data.offset):
+            (r.storage_data.length, zlib.crc32(data[r.storage_data.offset:
+                                                    r.storage_data.offset + r.storage_data.length]))
+            for r in results}
+    old = ChecksumRecord.from_json(_record_v1(ChecksumRecord("s", crcs, "crc32")))
+    assert old.algorithm == "crc32" and old.checksums == crcs
+    items = [Item(str(r.index.fqn), None, "f.distcp", r.storage_data.offset,
+                  r.storage_data.length) for r in results]
+    assert check_items(tmp_path, items, old) == ([], [])
+    flipped = bytearray(data)
+    flipped[items[2].offset + items[2].length // 2] ^= 0x10
+    path.write_bytes(bytes(flipped))
+    [mismatch], _ = check_items(tmp_path, items, old)
+    assert mismatch.item == items[2] and "recorded crc32 " in mismatch.cause
 
 
 @pytest.mark.parametrize("world", [1, 2, 3, 7])
@@ -140,3 +223,65 @@ def test_shares_partition_the_items_balanced_by_bytes(world):
     loads = [sum(i.length for i in s) for s in shares]
     assert max(loads) - min(loads) <= max(i.length for i in items)
     assert share(list(reversed(items)), 0, world) == shares[0]  # the same on every rank
+
+
+def test_megatron_cores_file_writer_hashes_large_items_beside_its_io(tmp_path, monkeypatch):
+    """With the feature installed, megatron-core's per-file writer defers the large items'
+    hashes to the helper threads, and its results leave (here: its results queue) with
+    every checksum in place."""
+    import queue
+    import threading
+
+    import megatron_ckpt_fixes
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        FileSystemWriterAsync)
+    from megatron_ckpt_fixes.checksums import hashing
+
+    threads = []
+
+    def recording(pieces, owner=None):
+        threads.append(threading.current_thread().name)
+        return hash_pieces(pieces, owner)
+
+    monkeypatch.setattr(hashing, "hash_pieces", recording)
+    tensors = [torch.randn(100_000), torch.arange(8.0), torch.randn(3, 50_000)]
+    items = [WriteItem(MetadataIndex(f"t{i}"), WriteItemType.TENSOR) for i in range(3)]
+    transforms = []
+    if "transforms" in PARAMS:
+        from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
+
+        transforms = [_StorageWriterTransforms()]
+    results, count = queue.Queue(), queue.Queue()
+    count.put(0)
+    bucket = (str(tmp_path / "__0_0.distcp"), "__0_0.distcp", ([], list(zip(items, tensors))))
+    megatron_ckpt_fixes.install(["checksums"])
+    try:
+        FileSystemWriterAsync.write_preloaded_data(transforms, 0, bucket, results, count, True)
+    finally:
+        megatron_ckpt_fixes.uninstall()
+    _, written = results.get_nowait()
+    assert len(threads) == 2 and all(t.startswith("mcf-checksum") for t in threads), threads
+    for result in written:
+        assert result.checksum == _checksum(tmp_path / "__0_0.distcp", result.storage_data)
+
+
+def _deferred_checksum_ok(path: str) -> bool:
+    """Write ITEMS' large tensor in a batch (helper threads) and check its checksum."""
+    import pathlib
+
+    _, results = _write_all(pathlib.Path(path), checksummed_write_item(_write_item), "c.distcp",
+                            deferred=True)
+    return all(getattr(r, CHECKSUM_ATTR) == _checksum(pathlib.Path(path) / "c.distcp",
+                                                      r.storage_data) for r in results)
+
+
+def test_a_forked_writer_process_starts_its_own_helper_threads(tmp_path):
+    """megatron-core 0.16 forks its writers, possibly from a process whose helper threads
+    already ran (the fork does not copy them): the child must not wait on them."""
+    import multiprocessing
+
+    assert _deferred_checksum_ok(str(tmp_path))  # this process's helpers exist now
+    child_dir = tmp_path / "child"
+    child_dir.mkdir()
+    with multiprocessing.get_context("fork").Pool(1) as pool:
+        assert pool.apply_async(_deferred_checksum_ok, (str(child_dir),)).get(timeout=120)

@@ -10,14 +10,18 @@ metadata.json and a flipped byte, and printed a traceback without .metadata.
 from __future__ import annotations
 
 import datetime
+import hashlib
+import inspect
 import json
 import shutil
+from importlib.metadata import version
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from ckpt_files import flip_tensor_byte, read_metadata, storage_entry, write_metadata
+from packaging.version import Version
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 import megatron_ckpt_fixes
@@ -35,22 +39,48 @@ def _state():
             "iteration": 3}
 
 
+def _integrity_flag() -> str | None:
+    """``dist_checkpointing.save``'s flag for megatron-core's integrity manifest (0.19 on)."""
+    from megatron.core import dist_checkpointing
+
+    params = inspect.signature(dist_checkpointing.save).parameters
+    return next((n for n in ("verify_integrity", "save_integrity") if n in params), None)
+
+
+def _write_manifest_as_megatron_core_0_19(ckpt) -> None:
+    """integrity.json in the format megatron-core 0.19 defines (validation.py's
+    save_integrity_manifest): every other file of the directory, sorted, with its SHA-256."""
+    files = {p.name: hashlib.sha256(p.read_bytes()).hexdigest()
+             for p in sorted(ckpt.iterdir(), key=str)
+             if p.is_file() and p.name != "integrity.json"}
+    (ckpt / "integrity.json").write_text(json.dumps({"algorithm": "sha256", "files": files},
+                                                    indent=2))
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
-    """A megatron-core checkpoint with checksums ("ckpt"), one without ("plain"), and a plain
-    torch DCP checkpoint ("dcp")."""
+    """A megatron-core checkpoint with checksums ("ckpt"), one without ("plain"), one with
+    checksums and megatron-core's integrity manifest ("manifest"; written by megatron-core
+    where the release has the option, in its format otherwise), and a plain torch DCP
+    checkpoint ("dcp")."""
     from megatron.core import dist_checkpointing
 
     root = tmp_path_factory.mktemp("cli")
     dist.init_process_group("gloo", init_method=f"file://{root / 'rdzv'}", rank=0,
                             world_size=1, timeout=datetime.timedelta(seconds=60))
+    flag = _integrity_flag()
     try:
-        for name, features in (("ckpt", None), ("plain", [
-                f for f in megatron_ckpt_fixes.FEATURES if f != "checksums"])):
+        for name, features, manifest in (
+                ("ckpt", None, False),
+                ("plain", [f for f in megatron_ckpt_fixes.FEATURES if f != "checksums"], False),
+                ("manifest", None, True)):
             megatron_ckpt_fixes.uninstall()
             megatron_ckpt_fixes.install(features)
             (root / name).mkdir()
-            dist_checkpointing.save(_state(), str(root / name))
+            dist_checkpointing.save(_state(), str(root / name),
+                                    **({flag: True} if manifest and flag else {}))
+            if manifest and not flag:
+                _write_manifest_as_megatron_core_0_19(root / name)
         dcp.save({"w": W.clone(), "obj": {"step": 3}}, checkpoint_id=str(root / "dcp"))
     finally:
         megatron_ckpt_fixes.uninstall()
@@ -78,7 +108,7 @@ def test_a_complete_checkpoint_verifies(ckpt, capsys):
     code, lines, err = _verify(capsys, ckpt)
     assert code == 0 and not _problems(lines), lines
     items = len(read_metadata(ckpt).storage_data)
-    assert f"checksums: {items} of {items} item(s) match their checksums" in lines
+    assert f"checksums: {items} of {items} item(s) match their xxh3_64 checksums" in lines
     assert lines[-1].endswith("OK")
     assert main(["inspect", str(ckpt)]) == 0
     assert "w  tensor (3, 4) torch.float32  1 chunk(s)" in capsys.readouterr().out
@@ -191,17 +221,83 @@ def test_a_flipped_byte_is_named_with_key_and_file(ckpt, capsys):
     code, lines, _ = _verify(capsys, ckpt)
     assert code == 1
     [problem] = _problems(lines)
-    assert problem.startswith("w: checksum mismatch (recorded crc32 ")
+    assert problem.startswith("w: checksum mismatch (recorded xxh3_64 ")
     assert problem.endswith(f"in {file} at bytes {info.offset}..{info.offset + info.length} "
                             "(chunk at (0, 0))")
     items = len(read_metadata(ckpt).storage_data)
-    assert f"checksums: {items - 1} of {items} item(s) match their checksums, 1 do not" in lines
+    assert (f"checksums: {items - 1} of {items} item(s) match their xxh3_64 checksums, "
+            "1 do not") in lines
 
 
 def test_without_checksums_verify_says_absent(saved, capsys):
     code, lines, _ = _verify(capsys, saved / "plain")
     assert code == 0 and "checksums: absent (.checksums.json missing: saved without the " \
                          "checksums feature)" in lines
+    assert "records checked: none (no checksums recorded for this save, no integrity.json): " \
+           "its bytes were not checked" in lines
+
+
+def test_megatron_core_writes_its_integrity_manifest_from_0_19():
+    """Where the release has the option, the "manifest" checkpoint's integrity.json is
+    megatron-core's own; 0.16 lacks it (the fixture then writes one in 0.19's format)."""
+    if Version(version("megatron-core")) >= Version("0.19"):
+        assert _integrity_flag() == "verify_integrity"
+    else:
+        assert _integrity_flag() is None
+
+
+def test_megatron_cores_integrity_manifest_is_checked(saved, capsys):
+    ckpt = saved / "manifest"
+    names = sorted(json.loads((ckpt / "integrity.json").read_text())["files"])
+    assert names == sorted(p.name for p in ckpt.iterdir() if p.name != "integrity.json")
+    code, lines, _ = _verify(capsys, ckpt)
+    assert code == 0 and not _problems(lines), lines
+    assert (f"integrity.json: {len(names)} of {len(names)} file(s) match their sha256 digests "
+            "(megatron-core's integrity manifest)") in lines
+    assert ("records checked: .checksums.json (xxh3_64 per item), integrity.json "
+            "(megatron-core's, sha256 per file)") in lines
+    assert _upstream_verdict(ckpt) == ("ok" if _integrity_flag() else None)
+
+
+def _upstream_verdict(ckpt) -> str | None:
+    """megatron-core's own check of its manifest (0.19 on), or None without one."""
+    try:
+        from megatron.core.dist_checkpointing.validation import verify_integrity_manifest
+    except ImportError:
+        return None
+    try:
+        verify_integrity_manifest(str(ckpt))
+    except Exception as exc:  # noqa: BLE001 - the message is the verdict
+        return str(exc)
+    return "ok"
+
+
+def test_a_tampered_checkpoint_fails_both_records(saved, tmp_path, capsys):
+    """A flipped byte in tensor data: the item's checksum and the file's SHA-256 both
+    catch it (and megatron-core's own check agrees, where the release has one); a file the
+    manifest names but the directory lacks is named too."""
+    ckpt = shutil.copytree(saved / "manifest", tmp_path / "manifest")
+    file = flip_tensor_byte(ckpt, "w", (0, 0))
+    code, lines, _ = _verify(capsys, ckpt)
+    problems = _problems(lines)
+    assert code == 1 and len(problems) == 2, problems
+    assert problems[0].startswith("w: checksum mismatch (recorded xxh3_64 ")
+    assert problems[1].startswith(f"integrity.json: {file}: sha256 mismatch (recorded ")
+    upstream = _upstream_verdict(ckpt)
+    if upstream is not None:  # megatron-core's own check names the same file
+        assert "hash mismatch" in upstream and file in upstream, upstream
+    (ckpt / "metadata.json").unlink()
+    code, lines, _ = _verify(capsys, ckpt)
+    assert "integrity.json: metadata.json: missing or unreadable (FileNotFoundError: No such " \
+           "file or directory)" in _problems(lines)
+
+
+def test_an_unreadable_manifest_is_a_problem(saved, tmp_path, capsys):
+    ckpt = shutil.copytree(saved / "manifest", tmp_path / "manifest")
+    (ckpt / "integrity.json").write_text('{"algorithm": "sha256"}')
+    code, lines, _ = _verify(capsys, ckpt)
+    assert code == 1 and _problems(lines) == [
+        "integrity.json: not megatron-core's manifest: KeyError: 'files'"]
 
 
 def test_a_record_of_another_save_is_not_used(saved, tmp_path, capsys):

@@ -30,11 +30,14 @@ TP_IMPORTERS = {f"{_MC}.models.common.language_module.language_module",
                 f"{_MC}.transformer.utils"}
 if Version(mcore_version) >= Version("0.19"):
     TP_IMPORTERS |= {f"{_MC}.transformer.multi_latent_attention", f"{_MC}.ssm.mamba_mixer"}
+if Version(mcore_version) >= Version("0.20"):
+    TP_IMPORTERS |= {f"{_MC}.ssm.gated_delta_product"}
 
 
 def test_every_module_that_imports_a_helper_by_name_is_an_alias():
     """0.16.1 has four modules that bind make_tp_sharded_tensor_for_checkpoint at import,
-    0.19.2 six (multi-latent attention and the Mamba mixer); generalized_tensor_parallelism
+    0.19.2 six (multi-latent attention and the Mamba mixer), 0.20.0 seven (the gated delta
+    product layer); generalized_tensor_parallelism
     imports both helpers inside a function, which needs no alias."""
     tp, replicated = "make_tp_sharded_tensor_for_checkpoint", "make_sharded_tensor_for_checkpoint"
     imports = bound_imports(_MC, f"{_MC}.utils", (tp, replicated))

@@ -14,6 +14,7 @@ import megatron_ckpt_fixes
 from megatron_ckpt_fixes import FEATURES, OPTIONAL_FEATURES, UnsupportedVersionError
 from megatron_ckpt_fixes._patching import _MISSING, Patch, PatchSet, _raw, definer, resolve
 from megatron_ckpt_fixes.compat import versions
+from megatron_ckpt_fixes.structure import cached_save
 
 ALL_FEATURES = FEATURES + OPTIONAL_FEATURES
 
@@ -68,7 +69,7 @@ def test_every_patch_names_why_it_exists(clean_install):
     assert all(why for why in clean_install.installed().values())
 
 
-@pytest.mark.parametrize("found", ["0.15.3", "0.20.0", "1.0.0"])
+@pytest.mark.parametrize("found", ["0.15.3", "0.21.0", "1.0.0"])
 def test_unsupported_megatron_core_is_refused_before_patching(clean_install, monkeypatch, found):
     monkeypatch.setattr(versions, "mcore_version", lambda: Version(found))
     before = _snapshot()
@@ -124,6 +125,18 @@ def test_a_missing_upstream_symbol_is_named_and_nothing_is_patched(clean_install
     assert _untouched(before)
 
 
+def _fresh_wrapper():
+    from megatron.core.dist_checkpointing.strategies.fully_parallel import (
+        FullyParallelSaveStrategyWrapper)
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    return FullyParallelSaveStrategyWrapper(TorchDistSaveShardedStrategy("torch_dist", 1), None)
+
+
+needs_pg_cache = pytest.mark.skipif(not hasattr(_fresh_wrapper(), "pg_cache_path"),
+                                    reason="this megatron-core has no pg_cache_path (< 0.20)")
+
+
 @pytest.mark.parametrize("strategy, attr", [
     ("torch:TorchDistSaveShardedStrategy", "use_cached_ckpt_structure"),
     ("torch:TorchDistSaveShardedStrategy", "cached_local_plan"),
@@ -133,9 +146,15 @@ def test_a_missing_upstream_symbol_is_named_and_nothing_is_patched(clean_install
     ("torch:TorchDistSaveShardedStrategy", "validated_loaded_metadata_reuse"),
     ("fully_parallel:FullyParallelSaveStrategyWrapper", "do_cache_distribution"),
     ("fully_parallel:FullyParallelSaveStrategyWrapper", "cached_distribution"),
+    # megatron-core >= 0.20's distribution memo: renamed, a setting is an unknown cache
+    ("fully_parallel:FullyParallelSaveStrategyWrapper", "pg_cache_path"),
+    ("fully_parallel:FullyParallelSaveStrategyWrapper", "pg_cache_create"),
 ])
 def test_a_renamed_strategy_attribute_is_refused(clean_install, monkeypatch, strategy, attr):
     """A renamed cache attribute would make the structure fix skip a cache layer silently."""
+    later = attr in cached_save.DISTRIBUTION_CACHES.later | cached_save.PLAN_CACHES.later
+    if later and not hasattr(_fresh_wrapper(), attr):
+        pytest.skip(f"this megatron-core has no {attr}")
     cls = resolve(f"megatron.core.dist_checkpointing.strategies.{strategy}")
     original_init = cls.__init__
 
@@ -147,9 +166,24 @@ def test_a_renamed_strategy_attribute_is_refused(clean_install, monkeypatch, str
     before = _snapshot()
     with pytest.raises(UnsupportedVersionError) as err:
         clean_install.install(["structure"])
-    assert f"no attribute {attr!r}" in str(err.value)
+    assert later or f"no attribute {attr!r}" in str(err.value)
     if "cache" in attr or attr.startswith("validated"):
         assert f"attribute '{attr}_v2', which looks like a cache" in str(err.value)
+    assert _untouched(before)
+
+
+@needs_pg_cache
+@pytest.mark.parametrize("symbol", cached_save._PG_CACHE_READS)
+def test_the_distribution_memo_is_required_where_the_wrapper_has_a_cache_path(
+        clean_install, monkeypatch, symbol):
+    """What the reset of megatron-core >= 0.20's memo reads is checked like any symbol."""
+    module, _, name = symbol.partition(":")
+    before = _snapshot()
+    monkeypatch.delattr(resolve(module), name)
+    with pytest.raises(UnsupportedVersionError) as err:
+        clean_install.install(["structure"])
+    assert symbol in str(err.value) and "nothing was patched" in str(err.value)
+    monkeypatch.undo()
     assert _untouched(before)
 
 

@@ -34,3 +34,16 @@ def test_routing_is_torchrecs_input_bucketization(hash_size, world):
     assert torch.equal(owner, torchrec_owner)
     assert torch.equal(owner, BlockOwnership(hash_size).owner(ids, world))
     assert TorchRecRouting(hash_size, buckets).owner(ids[:0], world).numel() == 0
+
+
+@pytest.mark.parametrize("hash_size,buckets,world", [(10_000, 12, 3), (10_000, 12, 4), (1 << 40, 12, 3),
+                                                     (97, 5, 5), (10_000, 4, 2)])
+def test_cuts_route_every_id_inside_them_like_the_fbgemm_op(hash_size, buckets, world):
+    """The resharder finds each rank's ids of a sorted run by the cuts, without the op per id."""
+    routing = TorchRecRouting(hash_size, buckets)
+    cuts = routing.cuts(world)
+    assert cuts[0] == 0 and list(cuts) == sorted(cuts)
+    g = torch.Generator().manual_seed(buckets + world)
+    inner = torch.tensor(cuts[1:-1], dtype=torch.int64)
+    ids = torch.cat([torch.randint(0, cuts[-1], (3000,), generator=g), inner, inner - 1, torch.tensor([0, cuts[-1] - 1])])
+    assert torch.equal(torch.searchsorted(torch.tensor(cuts), ids, right=True) - 1, routing.owner(ids, world))

@@ -1,0 +1,360 @@
+"""Checksums on a real save: a GPT-like sharded state dict of MB tensors, to a real disk.
+
+Two gloo ranks (``--ranks``) save the sharded state dict of a GPT-like model: per layer the
+QKV, projection and both MLP weights (split between the ranks, as tensor parallelism does)
+with their biases and two layer norms (replicated, written once), and Adam's two moments of
+each (``--layers`` 8, ``--hidden`` 1024: 240 tensors per rank, MB-sized shards, 1.13 GiB per
+save). Each round runs every setup once, in an order that alternates from round to round,
+each save after a ``gc.collect()`` and a barrier; a save's time is the slowest rank's:
+
+- raw write+fsync: each rank writes its tensors' bytes into as many files as megatron-core's
+  writer uses, one thread per file, and fsyncs them: the disk's limit for these bytes;
+- upstream cached:       plain megatron-core (``install(["compat.cpu"])``), a kept
+  ``TorchDistSaveShardedStrategy(cached_metadata=True)``, megatron-core's fsync;
+- fixes w/o checksums:   the same after ``install()`` of every feature but checksums;
+- all fixes:             the same after ``install()``;
+- upstream + integrity:  upstream cached with megatron-core's own integrity manifest
+  (``dist_checkpointing.save(..., verify_integrity=True)``: rank 0 re-reads every file and
+  writes ``integrity.json`` with a SHA-256 per file), where the installed release has it.
+
+Then, on that round's checkpoints, verification, each once from disk (the files' pages
+evicted from the page cache with ``posix_fadvise``) and once from the page cache:
+``megatron-ckpt-fixes verify`` (one process: every check, every item's checksum), the
+collective ``verify_checkpoint`` that ``--ckpt-verify-checksums`` runs (each rank checks a
+share), and upstream's ``load(..., verify_integrity=True)`` check (``verify_integrity_manifest``:
+rank 0 hashes every file). Every checkpoint is deleted once measured.
+
+Printed: each setup's median save time and its share of the raw bandwidth (raw time / save
+time); paired per-round ratios (median, min-max): all fixes / fixes w/o checksums,
+all fixes / upstream cached, upstream + integrity / upstream cached; the CPU time of the
+checksum work in megatron-core's own file writer (CPU time of paired writes of a rank's
+tensors with and without the feature: what it adds to the writer's thread, the save's
+critical path, and what the helper threads spend hashing beside the I/O) as a share of the
+all-fixes save; and verification throughput in GiB/s of checkpoint bytes.
+Targets: all fixes / fixes w/o checksums <= 1.02; the fixes' save >= 90 % of the raw
+bandwidth; our verification faster per GiB than upstream's.
+
+    python benchmarks/bench_realistic_save.py [--layers 8] [--hidden 1024] [--rounds 5] [--dir DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import inspect
+import os
+import shutil
+import statistics
+import tempfile
+import threading
+import time
+
+import torch
+import torch.distributed as dist
+from bench_cached_save import Spread, max_over_ranks, timed
+
+from megatron_ckpt_fixes import FEATURES
+from megatron_ckpt_fixes.testing import run_ranks
+
+SAVES = {  # name: (features, megatron-core's integrity manifest)
+    "upstream cached": (["compat.cpu"], False),
+    "fixes w/o checksums": ([f for f in FEATURES if f != "checksums"], False),
+    "all fixes": (None, False),
+    "upstream + integrity": (["compat.cpu"], True),
+}
+RAW = "raw write+fsync"
+VERIFIES = ("verify (1 process)", "verify_checkpoint (collective)", "upstream integrity (rank 0)")
+WARMUP = 1
+GIB = 1 << 30
+
+
+def _layer_shapes(hidden: int) -> list[tuple[str, tuple[int, ...], int | None]]:
+    """(name, global shape, axis split across ranks or None for replicated)."""
+    h = hidden
+    return [("qkv.weight", (3 * h, h), 0), ("qkv.bias", (3 * h,), 0),
+            ("proj.weight", (h, h), 1), ("proj.bias", (h,), None),
+            ("fc1.weight", (4 * h, h), 0), ("fc1.bias", (4 * h,), 0),
+            ("fc2.weight", (h, 4 * h), 1), ("fc2.bias", (h,), None),
+            ("ln1.weight", (h,), None), ("ln2.weight", (h,), None)]
+
+
+def state_dict(rank: int, ws: int, layers: int, hidden: int) -> dict:
+    """Weights and Adam's two moments of a GPT-like decoder, as megatron shards them."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    generator = torch.Generator().manual_seed(rank)
+    sd = {}
+    for layer in range(layers):
+        for name, shape, axis in _layer_shapes(hidden):
+            for prefix in ("model", "optimizer.exp_avg", "optimizer.exp_avg_sq"):
+                key = f"{prefix}.decoder.layers.{layer}.{name}"
+                if axis is None:
+                    local = torch.randn(shape, generator=generator)
+                    sd[key] = ShardedTensor.from_rank_offsets(key, local, replica_id=rank)
+                else:
+                    local_shape = list(shape)
+                    local_shape[axis] //= ws
+                    local = torch.randn(local_shape, generator=generator)
+                    sd[key] = ShardedTensor.from_rank_offsets(key, local, (axis, rank, ws))
+    return sd
+
+
+def _tensors(sd: dict) -> list[torch.Tensor]:
+    return [t.data for t in sd.values()]
+
+
+def _raw_write(tensors: list[torch.Tensor], directory: str, rank: int, files: int) -> None:
+    """Each file's share of the bytes written by its own thread, then fsynced."""
+    def write(part: int) -> None:
+        with open(os.path.join(directory, f"raw_{rank}_{part}"), "wb") as f:
+            for tensor in tensors[part::files]:
+                f.write(memoryview(tensor.numpy()).cast("B"))
+            os.fsync(f.fileno())
+
+    threads = [threading.Thread(target=write, args=(p,)) for p in range(files)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
+def _checksum_work(tensors: list[torch.Tensor], root: str, rank: int,
+                   rounds: int) -> tuple[float, float]:
+    """CPU seconds the checksums add to megatron-core's own file writer
+    (``FileSystemWriterAsync.write_preloaded_data``, writing all of this rank's tensors into
+    one file on the measured disk, fsync included), as the median over ``rounds`` pairs of
+    writes with and without the feature: (on the writer's thread, the save's critical path;
+    on the helper threads, which hash beside the writer's I/O). CPU time, unlike wall time,
+    is not inflated by other processes waiting for the same cores or disk."""
+    import queue
+
+    import megatron_ckpt_fixes
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        FileSystemWriterAsync)
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    params = inspect.signature(
+        inspect.unwrap(FileSystemWriterAsync.write_preloaded_data)).parameters
+    transforms = []
+    if "transform_list" in params:
+        from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
+
+        transforms = [_StorageWriterTransforms()]
+    items = [(WriteItem(MetadataIndex(f"t{i}"), WriteItemType.TENSOR), t)
+             for i, t in enumerate(tensors)]
+    path = os.path.join(root, f"checksum_work_{rank}.distcp")
+
+    def write(features: list[str]) -> tuple[float, float]:
+        megatron_ckpt_fixes.uninstall()
+        megatron_ckpt_fixes.install(features)
+        results, count = queue.Queue(), queue.Queue()
+        count.put(0)
+        bucket = (path, os.path.basename(path), ([], items))
+        gc.collect()
+        thread, process = time.thread_time(), time.process_time()
+        FileSystemWriterAsync.write_preloaded_data(transforms, 0, bucket, results, count, True)
+        thread, process = time.thread_time() - thread, time.process_time() - process
+        os.remove(path)
+        return thread, process - thread
+
+    writer, helpers = [], []
+    for r in range(rounds):
+        order = [["compat.cpu"], ["compat.cpu", "checksums"]]
+        timings = {len(f): write(f) for f in (order if r % 2 == 0 else order[::-1])}
+        writer.append(timings[2][0] - timings[1][0])
+        helpers.append(timings[2][1] - timings[1][1])
+    megatron_ckpt_fixes.uninstall()
+    return statistics.median(writer), statistics.median(helpers)
+
+
+def _evict(directory: str) -> None:
+    """Drop the files' pages from the page cache (they are clean: fsynced)."""
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if os.path.isfile(path):
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def _size(directory: str) -> int:
+    return sum(os.path.getsize(os.path.join(directory, n)) for n in os.listdir(directory))
+
+
+def _integrity_kwarg() -> str | None:
+    """The name of ``dist_checkpointing.save``'s integrity-manifest flag, if any."""
+    from megatron.core import dist_checkpointing as dc
+
+    params = inspect.signature(dc.save).parameters
+    return next((n for n in ("verify_integrity", "save_integrity") if n in params), None)
+
+
+def _bench(rank: int, ws: int, layers: int, hidden: int, rounds: int, root: str) -> dict:
+    import megatron_ckpt_fixes
+    from megatron.core import dist_checkpointing as dc
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    from tqdm import tqdm
+
+    from megatron_ckpt_fixes.checksums import verify_checkpoint
+    from megatron_ckpt_fixes.cli.checks import verify
+
+    integrity = _integrity_kwarg()
+    saves = {n: s for n, s in SAVES.items() if integrity or not s[1]}
+    sd = state_dict(rank, ws, layers, hidden)
+    tensors = _tensors(sd)
+    strategies = {name: TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
+                  for name in saves}
+    files = strategies["all fixes"].thread_count
+    counter = iter(range(10**9))
+
+    def fresh() -> str:
+        path = os.path.join(root, f"c{next(counter)}")
+        if rank == 0:
+            os.makedirs(path)
+        dist.barrier()
+        return path
+
+    def drop(path: str) -> None:
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(path)
+        dist.barrier()
+
+    def use(name: str) -> None:
+        megatron_ckpt_fixes.uninstall()
+        megatron_ckpt_fixes.install(saves[name][0])
+
+    def save(name: str, path: str) -> None:
+        kwargs = {integrity: True} if saves[name][1] else {}
+        dc.save(sd, path, sharded_strategy=strategies[name], validate_access_integrity=False,
+                **kwargs)
+
+    def verify_one(name: str, kept: dict[str, str], cold: bool) -> float:
+        megatron_ckpt_fixes.uninstall()
+        megatron_ckpt_fixes.install(["compat.cpu"])
+        path = kept["upstream + integrity" if name == VERIFIES[2] else "all fixes"]
+        if cold and rank == 0:
+            _evict(path)
+        if name == VERIFIES[0]:
+            def run() -> None:
+                if rank == 0:
+                    report = verify(path)
+                    assert not report.problems and report.checksums.status == "verified", report
+        elif name == VERIFIES[1]:
+            def run() -> None:
+                assert verify_checkpoint(path).status == "verified"
+        else:
+            from megatron.core.dist_checkpointing.validation import verify_integrity_manifest
+
+            def run() -> None:
+                verify_integrity_manifest(path)
+        return timed(run)
+
+    for name in saves:  # warm every strategy's plan cache, as in training
+        use(name)
+        for _ in range(WARMUP):
+            path = fresh()
+            save(name, path)
+            drop(path)
+    times: dict[str, list[float]] = {name: [] for name in [RAW, *saves]}
+    verifies = [v for v in VERIFIES if integrity or v != VERIFIES[2]]
+    speeds: dict[tuple[str, bool], list[float]] = {(v, c): [] for v in verifies
+                                                   for c in (True, False)}
+    order = [RAW, *saves]
+    for _ in tqdm(range(rounds), desc="rounds", disable=rank != 0):
+        kept: dict[str, str] = {}
+        for name in order:
+            path = fresh()
+            if name == RAW:
+                times[name].append(timed(lambda: _raw_write(tensors, path, rank, files)))
+            else:
+                use(name)
+                times[name].append(timed(lambda: save(name, path)))
+            if name in ("all fixes", "upstream + integrity"):
+                kept[name] = path
+            else:
+                drop(path)
+        size = _size(kept["all fixes"]) if rank == 0 else 0
+        sizes = [0] * ws
+        dist.all_gather_object(sizes, size)
+        for cold in (True, False):
+            for name in verifies if cold else reversed(verifies):
+                speeds[(name, cold)].append(max(sizes) / GIB / verify_one(name, kept, cold))
+        for path in kept.values():
+            drop(path)
+        order.reverse()
+        verifies.reverse()
+    megatron_ckpt_fixes.uninstall()
+    medians = {name: statistics.median(t) for name, t in times.items()}
+
+    def ratio(a: str, b: str) -> Spread:
+        return Spread.of([x / y for x, y in zip(times[a], times[b])])
+
+    ratios = {"all fixes / fixes w/o checksums": ratio("all fixes", "fixes w/o checksums"),
+              "all fixes / upstream cached": ratio("all fixes", "upstream cached")}
+    if integrity:
+        ratios["upstream + integrity / upstream cached"] = ratio("upstream + integrity",
+                                                                 "upstream cached")
+    return {"integrity": integrity, "rounds": rounds, "median": medians, "ratios": ratios,
+            "bytes": sum(t.numel() * t.element_size() for t in tensors),
+            "tensors": len(tensors), "files": files,
+            "checksum work": [max_over_ranks(w) for w in _checksum_work(tensors, root, rank,
+                                                                        max(rounds, 5))],
+            "verify": {key: statistics.median(v) for key, v in speeds.items()}}
+
+
+def _print(r: dict, args: argparse.Namespace, world: int) -> None:
+    from importlib.metadata import version
+
+    print(f"\n{world} gloo ranks, {args.layers} layers, hidden {args.hidden}: {r['tensors']} "
+          f"tensors and {r['bytes'] / GIB:.3f} GiB per rank ({r['files']} file(s) each), "
+          f"{r['rounds']} rounds, megatron-core {version('megatron-core')}, in {args.dir}")
+    raw = r["median"][RAW]
+    print("  median save time (slowest rank), share of the raw bandwidth:")
+    for name, seconds in r["median"].items():
+        print(f"    {name:22s} {seconds:.3f} s  {raw / seconds:6.1%}")
+    if not r["integrity"]:
+        print("    upstream + integrity   -: this megatron-core release has no integrity "
+              "manifest (dist_checkpointing.save(..., verify_integrity=True) is 0.19's)")
+    print("  paired per-round ratios:")
+    for name, spread in r["ratios"].items():
+        print(f"    {name}: median {spread.median:.3f}, min-max {spread.low:.3f}-{spread.high:.3f}")
+    writer, helpers = r["checksum work"]
+    base = r["median"]["all fixes"]
+    print(f"  checksum work in megatron-core's file writer, CPU time (slowest rank, median of "
+          f"paired writes), share of the all-fixes save: on the writer's thread "
+          f"{writer * 1e3:.1f} ms = {writer / base:.2%}; on the helper threads, beside the "
+          f"write and fsync {helpers * 1e3:.1f} ms = {helpers / base:.2%}")
+    print("  verification, GiB of checkpoint per second (median):")
+    for (name, cold), speed in sorted(r["verify"].items(), key=lambda kv: (not kv[0][1],
+                                                                          kv[0][0])):
+        where = "from disk " if cold else "page cache"
+        print(f"    {where}  {name:32s} {speed:6.2f} GiB/s")
+    if not r["integrity"]:
+        print("    upstream integrity (rank 0): -, the release has no integrity manifest")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--dir", default=os.environ.get("MCF_BENCH_DIR", "/var/tmp"),
+                        help="a directory on the disk to measure (not a tmpfs); each "
+                             "checkpoint is deleted once measured")
+    args = parser.parse_args()
+    root = tempfile.mkdtemp(prefix="mcf-bench-", dir=args.dir)
+    try:
+        result = run_ranks(_bench, args.ranks, args.layers, args.hidden, args.rounds, root,
+                           timeout_s=7200, collective_timeout_s=1800)[0].value
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+    _print(result, args, args.ranks)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,99 @@
+"""A checkpoint written by a newer megatron-core, loaded by one that cannot read it.
+
+Newer releases (0.19.2 here) keep the common state as a ``common_state`` object inside the
+torch_dist checkpoint and write no ``common.pt``; megatron-core 0.16.1 reads the common state
+from ``common.pt`` only and ends, on every rank, with ``AttributeError: 'str' object has no
+attribute 'iterdir'``. With ``install()`` every rank raises the same one line naming what
+happened and what is missing (still an ``AttributeError`` for callers that catch it).
+
+The newer layout is written with the installed release: saved with the ``common_state``
+object exactly as 0.19's ``dist_checkpointing.save`` adds it, and ``common.pt`` removed where
+this release writes one. A release that reads the object loads the checkpoint, fixes or not.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import torch
+import torch.distributed as dist
+
+from megatron_ckpt_fixes.testing import run_ranks
+
+WS = 2
+ITERATION = 7
+
+
+def _state(rank: int, value: float) -> dict:
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    return {"iteration": ITERATION,
+            "w": ShardedTensor.from_rank_offsets("w", torch.full((2, 3), value), (0, rank, WS))}
+
+
+def write_as_newer_release(rank: int, ckpt: str) -> None:
+    """The layout a newer megatron-core writes: common state inside, no common.pt."""
+    from megatron.core import dist_checkpointing as dc
+    from megatron.core.dist_checkpointing import ShardedObject
+    from megatron.core.dist_checkpointing.strategies.common import COMMON_STATE_FNAME
+
+    sd = _state(rank, 1.0 + rank)
+    if not _writes_common_object():
+        sd["common_state"] = ShardedObject("common_state", {"iteration": ITERATION}, (1,), (0,),
+                                           replica_id=rank)
+    dc.save(sd, ckpt)
+    dist.barrier()
+    if rank == 0 and os.path.exists(os.path.join(ckpt, COMMON_STATE_FNAME)):
+        os.remove(os.path.join(ckpt, COMMON_STATE_FNAME))
+    dist.barrier()
+
+
+def _writes_common_object() -> bool:
+    """Whether this release's save puts the common state inside the checkpoint itself."""
+    import inspect
+
+    from megatron.core.dist_checkpointing import serialization
+
+    return 'key="common_state"' in inspect.getsource(serialization.save)
+
+
+def load_newer_worker(rank: int, ws: int, features: list[str] | None) -> dict:
+    import megatron_ckpt_fixes
+    from megatron.core import dist_checkpointing as dc
+
+    megatron_ckpt_fixes.install(features)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = [tmp]
+        dist.broadcast_object_list(root, src=0)
+        ckpt = os.path.join(root[0], "iter_0000007")
+        if rank == 0:
+            os.makedirs(ckpt)
+        dist.barrier()
+        write_as_newer_release(rank, ckpt)
+        try:
+            loaded = dc.load(_state(rank, 0.0), ckpt)
+        except BaseException as exc:  # noqa: BLE001 - reported to the test
+            return {"error": f"{type(exc).__name__}: {exc}",
+                    "classes": [c.__name__ for c in type(exc).__mro__]}
+        return {"iteration": loaded["iteration"], "w": loaded["w"].tolist()}
+
+
+def test_a_checkpoint_from_a_newer_release_is_one_clear_line_on_every_rank():
+    upstream = [r.value for r in run_ranks(load_newer_worker, WS, ["compat.cpu"])]
+    fixed = [r.value for r in run_ranks(load_newer_worker, WS, None)]
+    if "error" not in upstream[0]:  # this release reads the common_state object itself
+        assert all(u["iteration"] == ITERATION for u in upstream), upstream
+        assert fixed == upstream
+        return
+    # The upstream twin: megatron-core 0.16.1's own failure, which names nothing.
+    assert all(u["error"] == "AttributeError: 'str' object has no attribute 'iterdir'"
+               for u in upstream), upstream
+    ckpt_line = fixed[0]["error"]
+    assert all(f["error"] == ckpt_line for f in fixed), fixed
+    assert "\n" not in ckpt_line, ckpt_line
+    assert ckpt_line.startswith("CheckpointLoadError: cannot load checkpoint ")
+    assert "iter_0000007: written by a newer megatron-core" in ckpt_line
+    assert "'common_state' object inside the torch_dist checkpoint" in ckpt_line
+    assert "there is no common.pt" in ckpt_line
+    assert all("AttributeError" in f["classes"] for f in fixed), fixed
