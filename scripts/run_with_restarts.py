@@ -4,7 +4,8 @@
     python scripts/run_with_restarts.py --nproc-per-node 2 --max-restarts 3 -- \
         --tensor-model-parallel-size 2 --train-iters 20 --save ckpt --load ckpt ...
 
-Everything after ``--`` goes to ``scripts/train.py``. The ranks are started the way a cluster
+Everything after ``--`` goes to ``scripts/train.py`` (or to ``--script``, e.g. Megatron-LM's
+own ``pretrain_gpt.py``). The ranks are started the way a cluster
 scheduler (srun) starts them: one process per rank with torchrun's environment (RANK,
 LOCAL_RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT), so the job's real exit code is seen
 (torchrun reports any failing worker as 1). A rank that dies takes the job down: the other
@@ -30,6 +31,10 @@ Exit code 16 (resume to disambiguate) is relaunched up to ``--max-restarts`` tim
 port and, on CPU, on a new placement (``MCF_CPU_DEVICE_INDEX`` = attempt number), so that the
 rerun state machine sees the relaunch on "another device", as a scheduler that excludes the
 suspicious node would place it; ``--same-device`` keeps the placement.
+
+With ``--log-dir DIR`` each rank's output (stdout and stderr) of attempt N goes to
+``DIR/attempt_N/rank_K.log`` instead of the runner's output, as torchrun's ``--log-dir
+--redirects 3`` keeps it; the runner's own lines still go to its output.
 """
 
 from __future__ import annotations
@@ -244,8 +249,18 @@ def _reap(procs: list[subprocess.Popen]) -> None:
         time.sleep(0.1)
 
 
+def _rank_output(log_dir: Path | None, attempt: int, rank: int) -> int | None:
+    """Where rank ``rank`` of ``attempt`` writes (None: the runner's own output)."""
+    if log_dir is None:
+        return None
+    folder = log_dir / f"attempt_{attempt}"
+    folder.mkdir(parents=True, exist_ok=True)
+    return os.open(folder / f"rank_{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+
+
 def launch(nproc: int, train_args: list[str], attempt: int, same_device: bool,
-           grace_s: float, stop: StopSignals) -> Attempt:
+           grace_s: float, stop: StopSignals, script: Path = TRAIN,
+           log_dir: Path | None = None) -> Attempt:
     """Start one process per rank and wait until none is left; a failing rank or a stop
     signal takes the others down (the signal, SIGTERM after a failure; SIGKILL after
     ``grace_s``)."""
@@ -261,8 +276,14 @@ def launch(nproc: int, train_args: list[str], attempt: int, same_device: bool,
         if not same_device:
             env["MCF_CPU_DEVICE_INDEX"] = str(attempt - 1)
         # Own session per rank, so the job's leftovers can be cleaned up (_reap).
-        procs.append(subprocess.Popen([sys.executable, str(TRAIN), *train_args], env=env,
-                                      start_new_session=True))
+        output = _rank_output(log_dir, attempt, rank)
+        try:
+            procs.append(subprocess.Popen([sys.executable, str(script), *train_args], env=env,
+                                          start_new_session=True, stdout=output,
+                                          stderr=None if output is None else subprocess.STDOUT))
+        finally:
+            if output is not None:
+                os.close(output)
     ended: list[subprocess.Popen] = []  # in the order the ranks ended
     plan: list[tuple[float, int]] = []  # signals still to send to running ranks: (when, sig)
     handled = 0  # stop signals acted on
@@ -318,6 +339,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="how long ranks may run after one rank failed or a stop signal "
                         "before they are killed")
     p.add_argument("--report", type=Path, default=None, help="write the attempts as JSON")
+    p.add_argument("--script", type=Path, default=TRAIN,
+                   help="the training script the ranks run (default: scripts/train.py)")
+    p.add_argument("--log-dir", type=Path, default=None,
+                   help="write each rank's output to LOG_DIR/attempt_N/rank_K.log")
     args = p.parse_args(ours)
 
     stop = StopSignals()
@@ -334,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
             number = len(attempts) + 1
             log(f"attempt {number}: launching {args.nproc_per_node} ranks")
             result = launch(args.nproc_per_node, train_args, number, args.same_device,
-                            args.grace_seconds, stop)
+                            args.grace_seconds, stop, args.script, args.log_dir)
             attempts.append(result)
             if result.stopped_by is not None:
                 log(f"attempt {number}: stopped by {result.stopped_by}; ranks "

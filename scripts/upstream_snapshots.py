@@ -15,7 +15,13 @@ into a cache directory (checked against ``SHA256SUMS`` first).
 A missing folder or tarball raises :class:`SnapshotMissing` with what was looked for and how
 to provide it: a test that needs a snapshot fails with that message, it never skips.
 
-    python scripts/upstream_snapshots.py [REF]   # print the extracted tree of REF
+:func:`training_tree` is the same snapshot without ``megatron/core``: Megatron-LM's scripts
+run with their own directory first on ``sys.path``, so in the full tree ``import
+megatron.core`` would find the snapshot's sources instead of the installed megatron-core
+(``megatron`` is a namespace package; the training tree beside the wheel imports fine).
+
+    python scripts/upstream_snapshots.py [REF]             # print the extracted tree of REF
+    python scripts/upstream_snapshots.py --training [REF]  # ... its training tree
 """
 
 from __future__ import annotations
@@ -86,12 +92,33 @@ def _sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
+#: What :func:`training_tree` leaves out: the snapshot's own megatron-core.
+CORE_PREFIX = "megatron/core/"
+
+
 def snapshot(ref: str | None = None) -> Path:
     """The extracted Megatron-LM tree of ``ref`` (default: the installed megatron-core's).
 
     Extracted once per tarball digest under the cache directory; concurrent callers (ranks,
     pytest workers) wait on a lock instead of extracting twice.
     """
+    return _extracted(ref, training_only=False)
+
+
+def training_tree(ref: str | None = None) -> Path:
+    """The snapshot of ``ref`` without ``megatron/core`` (see the module's docstring): run
+    its ``pretrain_gpt.py`` and the installed megatron-core is the one imported."""
+    return _extracted(ref, training_only=True)
+
+
+def _without_core(member: tarfile.TarInfo, dest: str) -> tarfile.TarInfo | None:
+    name = member.name.removeprefix("./")
+    if name == CORE_PREFIX.rstrip("/") or name.startswith(CORE_PREFIX):
+        return None
+    return tarfile.data_filter(member, dest)
+
+
+def _extracted(ref: str | None, training_only: bool) -> Path:
     ref = ref or ref_for_installed()
     if ref not in TARBALLS:
         raise SnapshotMissing(f"unknown snapshot {ref!r}; known: {sorted(TARBALLS)}")
@@ -102,12 +129,12 @@ def snapshot(ref: str | None = None) -> Path:
     expected = _expected_sha256(folder, tarball.name)
     cache = Path(os.environ.get(CACHE_ENV)
                  or Path.home() / ".cache" / "megatron-ckpt-fixes" / "snapshots")
-    tree = cache / f"{ref}-{expected[:12]}"
+    tree = cache / f"{ref}-{expected[:12]}{'-training' if training_only else ''}"
     done = tree / ".extracted"
     if done.is_file():
         return tree
     cache.mkdir(parents=True, exist_ok=True)
-    with open(cache / f".{ref}.lock", "w") as lock:
+    with open(cache / f".{tree.name}.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if not done.is_file():
             if _sha256(tarball) != expected:
@@ -116,14 +143,16 @@ def snapshot(ref: str | None = None) -> Path:
             partial = tree.with_name(tree.name + ".partial")
             shutil.rmtree(partial, ignore_errors=True)
             with tarfile.open(tarball) as tar:
-                tar.extractall(partial, filter="data")
+                tar.extractall(partial, filter=_without_core if training_only else "data")
             partial.rename(tree)
             done.write_text(f"{tarball.name} {expected}\n")
     return tree
 
 
 if __name__ == "__main__":
+    training = "--training" in sys.argv[1:]
+    refs = [a for a in sys.argv[1:] if a != "--training"]
     try:
-        print(snapshot(sys.argv[1] if len(sys.argv) > 1 else None))
+        print((training_tree if training else snapshot)(refs[0] if refs else None))
     except SnapshotMissing as exc:
         sys.exit(f"error: {exc}")

@@ -43,16 +43,17 @@ import rank_sync
 SITES: collections.Counter[str] = collections.Counter()
 
 _TORCH_DIR = os.path.dirname(torch.__file__)
-_THIS_FILE = os.path.abspath(__file__)
+#: The platform's own files (this one and those of platforms built on it): never a call site.
+PLATFORM_FILES: set[str] = {os.path.abspath(__file__)}
 _CPU = torch.device("cpu")
 
 
 def _caller() -> str:
-    """The first frame outside torch and this module: the line that asked for CUDA."""
+    """The first frame outside torch and the platform: the line that asked for CUDA."""
     frame = sys._getframe(2)
     while frame is not None:
         path = os.path.abspath(frame.f_code.co_filename)
-        if not path.startswith(_TORCH_DIR) and path != _THIS_FILE:
+        if not path.startswith(_TORCH_DIR) and path not in PLATFORM_FILES:
             return f"{_short(path)}:{frame.f_lineno}"
         frame = frame.f_back
     return "<unknown>"

@@ -1,0 +1,106 @@
+"""What the case runner adds to every interpreter of a Megatron-LM job (via ``sitecustomize``).
+
+- The CPU platform (:mod:`training_platform`), opened at start-up in every process of the
+  job: the ranks and megatron-core's spawned workers alike, whatever ``MEGATRON_CKPT_FIXES``
+  says, so that a difference between a run with and without the fixes comes from the fixes.
+  The fixes' own activation (the package's ``.pth`` file) runs before this, and installs
+  them when megatron-core is first imported: before the CUDA mappings, so they detect the
+  real process (no CUDA) as on any gloo job.
+- In the ranks, a record of every iteration's losses at full precision: Megatron-LM prints
+  ``lm loss: 1.234567E+00`` (7 significant digits), too few to tell two runs apart bitwise.
+  ``megatron.training.training.training_log`` (called once per iteration with that
+  iteration's reduced losses) is wrapped to append ``{"iteration", "lm loss", ...}`` with
+  each value as ``float.hex`` to ``MCF_MLM_LOSS_LOG`` (one JSON line per iteration, written
+  by the ranks that hold the losses: the last pipeline stage).
+- At exit, each process writes the CUDA call sites it mapped to
+  ``MCF_MLM_SITES_DIR/cuda_sites-<role>-<pid>.json``.
+
+Environment: ``MCF_MLM_TREE`` (the Megatron-LM training tree; its presence switches all of
+this on), ``MCF_MLM_LOSS_LOG``, ``MCF_MLM_SITES_DIR``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import json
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+TREE_ENV = "MCF_MLM_TREE"
+LOSS_LOG_ENV = "MCF_MLM_LOSS_LOG"
+SITES_DIR_ENV = "MCF_MLM_SITES_DIR"
+#: The module whose ``training_log`` is wrapped.
+TRAINING_MODULE = "megatron.training.training"
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from after_import import after_import  # noqa: E402
+
+
+#: How multiprocessing starts the interpreters a rank spawns (``sys.orig_argv``'s ``-c``
+#: code): megatron-core's checkpoint workers use spawn (0.16) or a forkserver (Megatron-LM
+#: 0.19 asks for one), and their processes must get the platform too.
+WORKER_STARTS = ("from multiprocessing.spawn import", "from multiprocessing.forkserver import")
+
+
+def _role() -> str | None:
+    """``rank<N>`` for a rank (an interpreter running a script of the tree),
+    ``worker-of-rank<N>`` for an interpreter a rank started with multiprocessing's spawn or
+    forkserver (megatron-core's checkpoint workers; a forkserver's children are forks of
+    it), None for anything else: the launcher, and helpers such as multiprocessing's
+    resource tracker, which must stay plain (a tracker that imported megatron-core here
+    would start another tracker, and so on)."""
+    rank = os.environ.get("RANK")
+    if rank is None:
+        return None
+    code = sys.orig_argv[sys.orig_argv.index("-c") + 1] if "-c" in sys.orig_argv[:-1] else ""
+    if code.startswith(WORKER_STARTS):
+        return f"worker-of-rank{rank}"
+    script = os.path.abspath(sys.argv[0]) if sys.argv and sys.argv[0] else ""
+    tree = os.path.abspath(os.environ[TREE_ENV]) + os.sep
+    return f"rank{rank}" if script.startswith(tree) else None
+
+
+def _float_hex(value: Any) -> str:
+    if hasattr(value, "item"):
+        value = value.item()
+    return float(value).hex()
+
+
+def _recording(training_log: Callable[..., Any], path: Path) -> Callable[..., Any]:
+    @functools.wraps(training_log)
+    def call(loss_dict: dict, total_loss_dict: dict, learning_rate: Any, iteration: int,
+             *args: Any, **kwargs: Any) -> Any:
+        if loss_dict:
+            record = {"iteration": iteration, "rank": int(os.environ.get("RANK", "0")),
+                      **{key: _float_hex(value) for key, value in loss_dict.items()}}
+            with open(path, "a") as f:
+                f.write(json.dumps(record) + "\n")
+        return training_log(loss_dict, total_loss_dict, learning_rate, iteration, *args,
+                            **kwargs)
+
+    return call
+
+
+def _record_losses(module: ModuleType) -> None:
+    module.training_log = _recording(module.training_log, Path(os.environ[LOSS_LOG_ENV]))
+
+
+def start() -> None:
+    """Open the platform (ranks and their workers), arm the loss record (ranks), dump the
+    CUDA call sites at exit."""
+    role = _role()
+    if role is None:
+        return
+    import training_platform
+
+    spawned = role.startswith("worker")
+    training_platform.TrainingCpuPlatform(os.environ[TREE_ENV]).open(spawned=spawned)
+    if os.environ.get(SITES_DIR_ENV):
+        out = Path(os.environ[SITES_DIR_ENV]) / f"cuda_sites-{role}-{os.getpid()}.json"
+        atexit.register(training_platform.write_sites, out)
+    if not spawned and os.environ.get(LOSS_LOG_ENV):
+        after_import(TRAINING_MODULE, _record_losses)
