@@ -3,25 +3,28 @@ on CPU/gloo: it runs, and a worker that dies makes every rank raise instead of w
 
 from __future__ import annotations
 
+import pytest
 from persistent_async_jobs import persistent_save_worker
 
 from megatron_ckpt_fixes.testing import run_ranks
 
 
+@pytest.mark.timeout(900)
 def test_upstream_worker_dies_at_start_and_the_trainer_waits_forever():
     """Upstream on gloo: the worker pins ``rank % torch.cuda.device_count()`` (0 devices:
     ZeroDivisionError, exit code 1) and the trainer keeps waiting for it to stage."""
-    results = run_ranks(persistent_save_worker, 2, "upstream-cpu", None, timeout_s=240)
+    results = run_ranks(persistent_save_worker, 2, "upstream-cpu", None, timeout_s=600)
     for r in results:
         first = r.value["first"]
         assert first["worker_exit"] == 1 and first["waiting"], first
 
 
+@pytest.mark.timeout(900)
 def test_persistent_saves_run_and_a_dead_worker_raises_on_every_rank():
     """install() alone, no environment switch: the spawned worker has the trainer's fixes,
     so its writes are checksummed (every saved item, checked), and a byte flipped in a
     large item (hashed by the worker's helper thread) is caught on every rank."""
-    results = run_ranks(persistent_save_worker, 2, "all", 1, timeout_s=300)
+    results = run_ranks(persistent_save_worker, 2, "all", 1, timeout_s=840)
     flipped = [r.value["first"]["value"][2] for r in results]
     assert flipped[0] == flipped[1] and flipped[0][0] == "ChecksumError", flipped
     assert "'big' chunk at (0,)" in flipped[0][1] and "checksum mismatch" in flipped[0][1]
