@@ -7,12 +7,14 @@ fails instead of blocking CI.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
 import queue as queue_mod
 import tempfile
 import time
 import traceback
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -109,3 +111,20 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     if check and any(r is None or not r.ok for r in results):
         raise RanksFailed(results)
     return results
+
+
+@contextlib.contextmanager
+def shared_temp_dir() -> Iterator[str]:
+    """A temporary directory that rank 0 creates, every rank uses, and rank 0 removes only
+    after every rank is done with it.
+
+    Each rank may leave its last load at a different time; if rank 0 removed the directory as
+    soon as it left, another rank could still be reading the checkpoint inside it (seen in CI:
+    ``FileNotFoundError`` on ``.metadata`` in a rank that was still loading). A rank that
+    raises skips the closing barrier: the run fails anyway, and the others must not wait for
+    it."""
+    with tempfile.TemporaryDirectory() as tmp:
+        root = [tmp if dist.get_rank() == 0 else None]
+        dist.broadcast_object_list(root, src=0)
+        yield root[0]
+        dist.barrier()

@@ -13,12 +13,13 @@ comparison is exact (every element, dtype and shape).
 from __future__ import annotations
 
 import os
-import tempfile
 from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+
+from megatron_ckpt_fixes.testing import shared_temp_dir
 
 WARM_SAVES = 3
 
@@ -297,11 +298,10 @@ def scenario_worker(rank: int, ws: int, features: list[str] | None, change: str,
     import megatron_ckpt_fixes
 
     megatron_ckpt_fixes.install(features)
-    with tempfile.TemporaryDirectory() as tmp:
-        root = [tmp]
-        dist.broadcast_object_list(root, src=0)
-        return run_scenario(rank, ws, os.path.join(root[0], change), change, strategy,
-                            resume=resume)
+    with shared_temp_dir() as root:
+        outcome = run_scenario(rank, ws, os.path.join(root, change), change, strategy,
+                               resume=resume)
+    return outcome
 
 
 def scenarios_worker(rank: int, ws: int, features: list[str] | None,
@@ -311,12 +311,10 @@ def scenarios_worker(rank: int, ws: int, features: list[str] | None,
 
     megatron_ckpt_fixes.install(features)
     results = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        root = [tmp]
-        dist.broadcast_object_list(root, src=0)
+    with shared_temp_dir() as root:
         for change, strategy, resume in runs:
             name = f"{change}-{strategy}-{'resume' if resume else 'fresh'}"
-            results[name] = run_scenario(rank, ws, os.path.join(root[0], name), change,
+            results[name] = run_scenario(rank, ws, os.path.join(root, name), change,
                                          strategy, resume=resume)
     return results
 
@@ -347,17 +345,15 @@ def failed_save_worker(rank: int, ws: int, features: list[str] | None) -> dict:
     layout = base_layout(rank, ws)
     strat = make_strategy("plain")
     out = Outcome()
-    with tempfile.TemporaryDirectory() as tmp:
-        root = [tmp]
-        dist.broadcast_object_list(root, src=0)
+    with shared_temp_dir() as root:
         for idx in range(WARM_SAVES + 3):
             try:
-                dc.save(layout.state_dict(idx), _new_dir(root[0], f"s{idx}"),
+                dc.save(layout.state_dict(idx), _new_dir(root, f"s{idx}"),
                         sharded_strategy=strat)
             except InjectedSaveFailure as exc:
                 out.save_error = _err(exc)
                 dist.barrier()  # the one dist_checkpointing.save runs after the strategy's
             out.plan_reuse.append(plan_reused(strat))
-        ckpt = os.path.join(root[0], f"s{idx}")
+        ckpt = os.path.join(root, f"s{idx}")
         out.wrong_values = _compare(layout, dc.load(layout.state_dict(None), ckpt), idx)
     return {"outcome": out, "failed": out.save_error is not None}

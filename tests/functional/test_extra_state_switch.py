@@ -22,7 +22,6 @@ from __future__ import annotations
 import importlib.util
 import os
 import pickle
-import tempfile
 import typing
 from pathlib import Path
 
@@ -30,7 +29,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ckpt_fixes.testing import run_ranks
+from megatron_ckpt_fixes.testing import run_ranks, shared_temp_dir
 
 WS = 2
 SAVES_EACH = 3
@@ -123,10 +122,9 @@ def switches_worker(rank: int, ws: int, features: list[str] | None,
     import megatron_ckpt_fixes
 
     megatron_ckpt_fixes.install(features)
-    with tempfile.TemporaryDirectory() as tmp:
-        root = [tmp]
-        dist.broadcast_object_list(root, src=0)
-        return {name: _run_switch(rank, root[0], name, *SWITCHES[name]) for name in switches}
+    with shared_temp_dir() as root:
+        outcome = {name: _run_switch(rank, root, name, *SWITCHES[name]) for name in switches}
+    return outcome
 
 
 def _object_keys(ckpt: str) -> set[str]:

@@ -14,12 +14,11 @@ this release writes one. A release that reads the object loads the checkpoint, f
 from __future__ import annotations
 
 import os
-import tempfile
 
 import torch
 import torch.distributed as dist
 
-from megatron_ckpt_fixes.testing import run_ranks
+from megatron_ckpt_fixes.testing import run_ranks, shared_temp_dir
 
 WS = 2
 ITERATION = 7
@@ -63,10 +62,8 @@ def load_newer_worker(rank: int, ws: int, features: list[str] | None) -> dict:
     from megatron.core import dist_checkpointing as dc
 
     megatron_ckpt_fixes.install(features)
-    with tempfile.TemporaryDirectory() as tmp:
-        root = [tmp]
-        dist.broadcast_object_list(root, src=0)
-        ckpt = os.path.join(root[0], "iter_0000007")
+    with shared_temp_dir() as root:
+        ckpt = os.path.join(root, "iter_0000007")
         if rank == 0:
             os.makedirs(ckpt)
         dist.barrier()
@@ -74,9 +71,11 @@ def load_newer_worker(rank: int, ws: int, features: list[str] | None) -> dict:
         try:
             loaded = dc.load(_state(rank, 0.0), ckpt)
         except BaseException as exc:  # noqa: BLE001 - reported to the test
-            return {"error": f"{type(exc).__name__}: {exc}",
-                    "classes": [c.__name__ for c in type(exc).__mro__]}
-        return {"iteration": loaded["iteration"], "w": loaded["w"].tolist()}
+            outcome = {"error": f"{type(exc).__name__}: {exc}",
+                       "classes": [c.__name__ for c in type(exc).__mro__]}
+        else:
+            outcome = {"iteration": loaded["iteration"], "w": loaded["w"].tolist()}
+    return outcome
 
 
 def test_a_checkpoint_from_a_newer_release_is_one_clear_line_on_every_rank():
