@@ -176,10 +176,10 @@ def main(argv: list[str] | None = None) -> int:
                 results[f"scenario:{scenario.name}/{'fixes' if fixes else 'upstream'}"] = {
                     **result.to_json(), "kept": kept, "why": why}
                 row.append(f"**{'kept' if kept else 'LOST'}**: {why}")
-                if kept != (fixes or not scenario.upstream_fails(release)):
+                if kept != (fixes or not scenario.upstream_fails()):
                     unexpected.append(f"{scenario.name} ({'fixes' if fixes else 'upstream'}): "
                                       f"{'kept' if kept else 'lost'}, not as expected")
-            expected = "loses it" if scenario.upstream_fails(release) else "keeps it"
+            expected = "loses it" if scenario.upstream_fails() else "keeps it"
             lines.append(f"| {scenario.name}: {scenario.case} {flags} | {row[0]} | {row[1]} "
                          f"| {expected} |")
     lines += ["", f"{time.monotonic() - start:.0f} s in all; "

@@ -202,9 +202,15 @@ class CaseRun:
 
 
 def needs_async_strategy() -> bool:
-    """megatron-core 0.17+ defaults async saves to nvidia-resiliency-ext's strategy."""
-    major, minor = (int(p) for p in version("megatron-core").split(".")[:2])
-    return (major, minor) >= (0, 17)
+    """Whether megatron-core's async save defaults to nvidia-resiliency-ext's strategy
+    (0.17+ do): asked of the save strategy's own signature, not of a version number."""
+    import inspect
+
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    parameter = inspect.signature(TorchDistSaveShardedStrategy.async_save).parameters.get(
+        "async_strategy")
+    return parameter is not None and parameter.default not in ("mcore", inspect.Parameter.empty)
 
 
 def first_error(job: jobs.Job) -> str:

@@ -11,7 +11,8 @@ before it), run with and without the fixes:
   made without it. With the case's own ``--dist-ckpt-strictness log_all`` the relaunch does
   not fail: Megatron-LM logs ``Unable to restore RerunMachine from checkpoint: 'sharded'``
   and the job exits 17 without rerunning the step: the diagnosis the fault was saved for is
-  silently lost. (0.18 and later emit the object always: upstream works.)
+  silently lost. (0.18 and later emit the object always: upstream works; asked of
+  upstream by :func:`megatron_ckpt_fixes.rerun.sentinel.upstream_emits_sentinel`.)
 - :data:`ADAM_STATE_LATER`: optimizer state that appears after the first save. With
   ``--fp16`` the dynamic loss scale starts at 2^32 and the first iterations overflow and are
   skipped: no optimizer step, no Adam state. A save in that phase plans without
@@ -30,8 +31,9 @@ parallelism (only between runs, where the first save plans anew).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from importlib.metadata import version
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
+
+from megatron_ckpt_fixes.rerun.sentinel import upstream_emits_sentinel
 
 if TYPE_CHECKING:
     from run_case import CaseResult
@@ -44,8 +46,9 @@ class Scenario:
     #: flags every job of the case gets (with ``--ckpt-assume-constant-structure``).
     flags: tuple[tuple[str, object], ...]
     change: str
-    #: the first megatron-core release whose own code handles the change (None: none does).
-    upstream_fixed_in: tuple[int, int] | None
+    #: asks the installed megatron-core whether its own code handles the change (returns
+    #: why, or None); None: no release does.
+    upstream_handles: Callable[[], str | None] | None
     #: what plain upstream logs when the change is lost (in the job that loads).
     upstream_evidence: str
     #: what a job that loaded the change correctly logs, if anything (None: the bitwise
@@ -68,10 +71,9 @@ class Scenario:
         return True, ("rerun diagnosed; " if diagnosed else "") + \
             f"{compared} iterations bitwise"
 
-    def upstream_fails(self, release: str | None = None) -> bool:
-        """Whether plain upstream of ``release`` (default: the installed one) loses it."""
-        major, minor = (int(p) for p in (release or version("megatron-core")).split(".")[:2])
-        return self.upstream_fixed_in is None or (major, minor) < self.upstream_fixed_in
+    def upstream_fails(self) -> bool:
+        """Whether the installed megatron-core, plain, loses it (asked of its behaviour)."""
+        return self.upstream_handles is None or self.upstream_handles() is None
 
 
 FAULT_SAVE = Scenario(
@@ -80,7 +82,7 @@ FAULT_SAVE = Scenario(
     flags=(("--save-interval", 1), ("--train-iters", 20)),
     change="the fault checkpoint holds the rerun state machine's ShardedObject; the saves "
            "before it did not",
-    upstream_fixed_in=(0, 18),
+    upstream_handles=upstream_emits_sentinel,
     upstream_evidence="Unable to restore RerunMachine from checkpoint: 'sharded'. Skipping.",
     diagnosis="Second rerun: unexpected result is not reproducible on a different GPU",
 )
@@ -91,7 +93,7 @@ ADAM_STATE_LATER = Scenario(
     flags=(("--save-interval", 10), ("--train-iters", 40)),
     change="with --fp16 the first iterations overflow and are skipped: the save at "
            "iteration 10 has no Adam state, the later ones have it",
-    upstream_fixed_in=None,
+    upstream_handles=None,
     upstream_evidence="Unexpected keys (for this rank): {'optimizer.state.exp_avg",
 )
 
