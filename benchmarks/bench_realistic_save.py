@@ -318,9 +318,9 @@ def _print(r: dict, args: argparse.Namespace, world: int) -> None:
     raw, raw_fastest = r["median"][RAW], r["fastest"][RAW]
     print("  save time (slowest rank), share of the raw bandwidth: median; fastest round")
     for name, seconds in r["median"].items():
-        fastest = r["fastest"][name]
-        print(f"    {name:22s} {seconds:.3f} s  {raw / seconds:6.1%};  {fastest:.3f} s  "
-              f"{raw_fastest / fastest:6.1%}")
+        best = r["fastest"][name]
+        print(f"    {name:22s} {seconds:.3f} s  {raw / seconds:6.1%};  {best:.3f} s  "
+              f"{raw_fastest / best:6.1%}")
     if not r["integrity"]:
         print("    upstream + integrity   -: this megatron-core release has no integrity "
               "manifest (dist_checkpointing.save(..., verify_integrity=True) is 0.19's)")
