@@ -26,18 +26,27 @@ from ..compat.detect import probe_world, quiet
 
 RERUN_STATE_KEY = "rerun_state_machine_state"
 _RSM = "megatron.core.rerun_state_machine"
+#: where the replacement keeps upstream's own ``state_dict``, for :func:`upstream_emits_sentinel`
+_UPSTREAM = "_mcf_upstream"
 
 
 def upstream_emits_sentinel() -> str | None:
     """Ask a fresh machine in NOT_RUNNING_YET (validate mode) for its torch_dist state dict.
+
+    Asks upstream's own ``state_dict`` even where ``install()`` has replaced it: callers
+    (the Megatron-LM scenarios, the fault tests) want plain upstream's behaviour, and in a
+    patched process the replacement would always answer "emits".
 
     Returns why the patch is not needed (upstream emits the object), or None.
     """
     from megatron.core.dist_checkpointing.mapping import ShardedObject
     from megatron.core.rerun_state_machine import RerunMode, RerunStateMachine
 
+    current = RerunStateMachine.state_dict
+    upstream_state_dict = getattr(current, _UPSTREAM, current)
     with quiet(_RSM), probe_world():
-        emitted = RerunStateMachine(mode=RerunMode.VALIDATE_RESULTS).state_dict(None, "torch_dist")
+        machine = RerunStateMachine(mode=RerunMode.VALIDATE_RESULTS)
+        emitted = upstream_state_dict(machine, None, "torch_dist")
     if emitted is None:
         return None
     if not any(isinstance(v, ShardedObject) for v in emitted.values()):
@@ -57,6 +66,7 @@ def always_emit(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(self, None, ckpt_format, force=True)
         return original(self, data_iterator, ckpt_format, force)
 
+    setattr(state_dict, _UPSTREAM, original)
     return state_dict
 
 

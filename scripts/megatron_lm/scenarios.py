@@ -33,23 +33,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-import megatron_ckpt_fixes
 from megatron_ckpt_fixes.rerun.sentinel import upstream_emits_sentinel
 
 if TYPE_CHECKING:
     from run_case import CaseResult
-
-_SENTINEL_PATCH = "rerun.sentinel.state_dict"
-
-
-def _upstream_emits_sentinel() -> str | None:
-    """:func:`upstream_emits_sentinel`, answered for plain upstream even in a process that
-    has ``install()``-ed the fixes (there the patched state machine would answer):
-    ``install()`` applies the sentinel exactly where upstream lacks it."""
-    state = megatron_ckpt_fixes.installed().get(_SENTINEL_PATCH)
-    if state is not None and not state.startswith("not applied"):
-        return None
-    return upstream_emits_sentinel()
 
 
 @dataclass(frozen=True)
@@ -95,7 +82,7 @@ FAULT_SAVE = Scenario(
     flags=(("--save-interval", 1), ("--train-iters", 20)),
     change="the fault checkpoint holds the rerun state machine's ShardedObject; the saves "
            "before it did not",
-    upstream_handles=_upstream_emits_sentinel,
+    upstream_handles=upstream_emits_sentinel,
     upstream_evidence="Unable to restore RerunMachine from checkpoint: 'sharded'. Skipping.",
     diagnosis="Second rerun: unexpected result is not reproducible on a different GPU",
 )

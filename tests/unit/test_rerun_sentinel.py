@@ -27,6 +27,18 @@ def test_install_applies_the_sentinel_exactly_where_upstream_lacks_it(single_ran
         assert clean_install.installed()["rerun.sentinel.state_dict"].startswith("not applied")
 
 
+def test_upstream_probe_answers_for_upstream_in_a_patched_process(single_rank_group,
+                                                                   clean_install):
+    """The probe describes plain upstream also after install(): on a release without the
+    sentinel, asking the patched machine would answer "upstream emits" (and the scenarios
+    and fault tests would expect upstream to keep the fault's rerun state)."""
+    plain = upstream_emits_sentinel()
+    clean_install.install(["rerun.sentinel"])
+    assert upstream_emits_sentinel() == plain
+    applied = not clean_install.installed()["rerun.sentinel.state_dict"].startswith("not applied")
+    assert applied == (plain is None)
+
+
 def test_sentinel_is_emitted_in_steady_state(single_rank_group, clean_install):
     clean_install.install(["rerun.sentinel"])
     sd = _machine().state_dict(None, "torch_dist")
