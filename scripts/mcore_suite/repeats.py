@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     for name in names:
         runs = [compare.load_run(out / name) for out in args.outs]
         per_set[name], hits = clean_outcomes(runs)
-        errors = [sum(compare.verdict(r)[0] == "error" for r in run.values()) for run in runs]
+        errors = [compare.counts(run)["error"] for run in runs]
         print(f"{name}: {len(runs)} runs, {len(per_set[name])} tests; runs of a test that hit "
               f"the race: {hits}; errors per run: {errors}")
     tests = sorted(set().union(*per_set.values()))
