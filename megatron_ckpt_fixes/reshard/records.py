@@ -12,9 +12,10 @@ That is what the record is today; nothing here assumes it. :func:`locate` asks t
 reader (``torch.load(..., map_location="meta")`` reads the pickle and no data; the storage's
 offset in the record comes back as ``_checkpoint_offset``) and checks its answer against the
 zip's own directory (Python's ``zipfile``) and the member's local header: a stored,
-unencrypted member of the storage's size starting exactly there; the tensor contiguous, of
-the dtype and shape the metadata gives, in this machine's byte order; no stream transform
-(DCP's compression extensions). Anything else raises :class:`NotPlainRecord` with the
+unencrypted member of the storage's size starting exactly there (``torch.load`` reports that
+offset for a compressed member too); the tensor contiguous, of the dtype and shape the
+metadata gives, in this machine's byte order; no stream transform (DCP's compression
+extensions). Anything else raises :class:`NotPlainRecord` with the
 reason; the reader then reads that chunk through DCP (:mod:`.saved_chunks`). CRC-32s are not
 read: ``torch.load`` does not check them either, and the checksums feature verifies bytes.
 """
@@ -147,9 +148,18 @@ def locate(path: str, fd: int, storage_info: Any, dtype: torch.dtype, shape: Seq
         raise NotPlainRecord(f"bytes [{offset}, {offset + length}) lie beyond the end of {path} ({size} bytes)")
     record = FileSlice(fd, offset, length)
     try:
-        tensor = torch.load(record, map_location="meta", weights_only=True)
         with zipfile.ZipFile(record) as archive:
             members = archive.infolist()
+    except Exception as exc:  # noqa: BLE001 - any parse failure means "not a plain record"
+        raise NotPlainRecord(f"not a zip record ({type(exc).__name__}: {exc})") from exc
+    # Before torch.load: a meta load of a big-endian record byte-swaps a meta storage, which
+    # crashes the process (torch 2.13).
+    order = _byte_order(record, members)
+    if order != sys.byteorder:
+        raise NotPlainRecord(f"stored {order}-endian, this machine is {sys.byteorder}-endian")
+    try:
+        record.seek(0)
+        tensor = torch.load(record, map_location="meta", weights_only=True)
     except Exception as exc:  # noqa: BLE001 - any parse failure means "not a plain record"
         raise NotPlainRecord(f"not a torch.save record ({type(exc).__name__}: {exc})") from exc
     if type(tensor) is not torch.Tensor:
@@ -163,9 +173,6 @@ def locate(path: str, fd: int, storage_info: Any, dtype: torch.dtype, shape: Seq
     if not isinstance(at, int):
         raise NotPlainRecord("torch.load(map_location='meta') gives no offset for the storage (_checkpoint_offset)")
     _storage_member(record, members, at, storage.nbytes())
-    order = _byte_order(record, members)
-    if order != sys.byteorder:
-        raise NotPlainRecord(f"stored {order}-endian, this machine is {sys.byteorder}-endian")
     row_bytes = math.prod(shape[1:]) * tensor.element_size()
     start = at + tensor.storage_offset() * tensor.element_size()
     if start + row_bytes * shape[0] > min(at + storage.nbytes(), length):
