@@ -41,7 +41,7 @@ from .errors import ReshardError, problem, problems_error, run_agreed
 from .exchange import carve
 from .ownership import BlockOwnership, KeyOwnership
 from .resharder import ReshardReport, reshard
-from .saved_chunks import CheckpointRows
+from .saved_chunks import CheckpointRows, piece_bytes_for
 from .saved_rows import SavedEntries
 from .table import MISS_ID, SlotRanges, TableShard
 from .window import ReshardSpec, SavedWindow, read_windows, window_problems
@@ -148,7 +148,9 @@ def _read_window(checkpoint_id: str, table: LocalTable, rank: int, world: int) -
     metadata is read where it is used); a failure becomes a problem."""
     step, source = "reading the metadata", None
     try:
-        source = CheckpointRows(checkpoint_id, dcp.FileSystemReader(checkpoint_id).read_metadata())
+        shard = sum(c.local.nbytes for c in (*table.buffers(), *table.rows))
+        source = CheckpointRows(checkpoint_id, dcp.FileSystemReader(checkpoint_id).read_metadata(),
+                                piece_bytes_for(shard))
         step = "the saved layout"
         saved = saved_ranges(source.metadata, table)
         windows = read_windows(saved, world)

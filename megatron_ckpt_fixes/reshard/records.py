@@ -153,7 +153,7 @@ def locate(path: str, fd: int, storage_info: Any, dtype: torch.dtype, shape: Seq
     except Exception as exc:  # noqa: BLE001 - any parse failure means "not a plain record"
         raise NotPlainRecord(f"not a zip record ({type(exc).__name__}: {exc})") from exc
     # Before torch.load: a meta load of a big-endian record byte-swaps a meta storage, which
-    # crashes the process (torch 2.13).
+    # crashes the process (a segmentation fault in torch 2.13.0 and 2.14.1).
     order = _byte_order(record, members)
     if order != sys.byteorder:
         raise NotPlainRecord(f"stored {order}-endian, this machine is {sys.byteorder}-endian")
