@@ -174,6 +174,8 @@ def locate(path: str, fd: int, storage_info: Any, dtype: torch.dtype, shape: Seq
         raise NotPlainRecord("torch.load(map_location='meta') gives no offset for the storage (_checkpoint_offset)")
     _storage_member(record, members, at, storage.nbytes())
     row_bytes = math.prod(shape[1:]) * tensor.element_size()
+    if row_bytes == 0:
+        raise NotPlainRecord(f"its rows hold no bytes (shape {tuple(shape)})")
     start = at + tensor.storage_offset() * tensor.element_size()
     if start + row_bytes * shape[0] > min(at + storage.nbytes(), length):
         raise NotPlainRecord("the tensor reaches beyond its storage member")

@@ -107,6 +107,24 @@ def test_a_gather_reads_only_the_rows_it_needs(tmp_path):
     assert faults < 200, f"{faults} page faults for 3 rows (a whole 32 MiB chunk is 8192 pages)"
 
 
+def test_records_written_without_crc32_read_by_byte_range(tmp_path):
+    """torch.save's CRC-32 switched off (issue 24's writer option, on i22-writer): every CRC
+    field is 0; nothing here reads them, so the rows still come by byte range."""
+    ckpt = str(tmp_path / "nocrc")
+    full = torch.randn(50, 8)
+    before = torch.serialization.get_crc32_options()
+    torch.serialization.set_crc32_options(False)
+    try:
+        dcp.save({"emb": full}, checkpoint_id=ckpt, no_dist=True)
+    finally:
+        torch.serialization.set_crc32_options(before)
+    out = torch.empty(7, 8)
+    with CheckpointRows(ckpt, dcp.FileSystemReader(ckpt).read_metadata()) as rows:
+        rows.gather("emb", 2, torch.tensor([0, 3, 5, 20, 30, 41, 47]), out)
+        assert rows.fallbacks == {}
+    assert torch.equal(out, full[2 + torch.tensor([0, 3, 5, 20, 30, 41, 47])])
+
+
 def _read_bytes() -> int:
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("rchar:"))
