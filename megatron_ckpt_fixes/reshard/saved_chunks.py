@@ -82,8 +82,9 @@ def read_rows(checkpoint_id: str, columns: Mapping[str, tuple[int, torch.Tensor]
 
 
 def _as_row_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A contiguous ``[n, ...]`` tensor as ``[n, row bytes]`` of uint8 (a view)."""
-    return tensor.view(tensor.shape[0], -1).view(torch.uint8)
+    """A contiguous ``[n, ...]`` tensor as ``[n, row bytes]`` of uint8 (a view, detached:
+    the bytes of a parameter are written as DCP's load writes them)."""
+    return tensor.detach().view(tensor.shape[0], -1).view(torch.uint8)
 
 
 class CheckpointRows:
@@ -208,7 +209,7 @@ class CheckpointRows:
             if layout is None:
                 whole = torch.empty(tuple(self._chunk_list(name)[1][i].sizes), dtype=into.dtype)
                 read_rows(self.checkpoint_id, {name: (first, whole)})
-                torch.index_select(whole, 0, index[a:b] + (start - first), out=into[a:b])
+                torch.index_select(whole, 0, index[a:b] + (start - first), out=into.detach()[a:b])
             else:
                 self._gather_mapped(layout, index[a:b], start - first, _as_row_bytes(into[a:b]))
         if into is not out:
