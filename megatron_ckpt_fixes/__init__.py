@@ -48,6 +48,7 @@ FEATURES: tuple[str, ...] = (
     "async_worker",
     "compat.rerun_device",
     "dtensor.mcore",
+    "dtensor.mlite",
     "checksums",
 )
 
@@ -62,7 +63,9 @@ OPTIONAL_FEATURES: tuple[str, ...] = (
 #: megatron-core. Declared here rather than in the feature's module so that the zero-code
 #: activation can wait for the right import without importing any feature module (they
 #: import torch).
-SYSTEMS: dict[str, str] = {}
+SYSTEMS: dict[str, str] = {
+    "dtensor.mlite": "megatron.lite",
+}
 
 #: The system of every feature not in ``SYSTEMS``.
 MEGATRON_CORE = "megatron.core"
