@@ -49,6 +49,7 @@ FEATURES: tuple[str, ...] = (
     "compat.rerun_device",
     "dtensor.mcore",
     "dtensor.mlite",
+    "dtensor.nemo_automodel",
     "checksums",
 )
 
@@ -65,6 +66,7 @@ OPTIONAL_FEATURES: tuple[str, ...] = (
 #: import torch).
 SYSTEMS: dict[str, str] = {
     "dtensor.mlite": "megatron.lite",
+    "dtensor.nemo_automodel": "nemo_automodel",
 }
 
 #: The system of every feature not in ``SYSTEMS``.

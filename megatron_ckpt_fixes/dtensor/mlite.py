@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Mapping, MutableMapping
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -47,6 +47,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from .._patching import Patch, resolve
 from .placements import without_trivial_shards
+from .probe import FromLocal, Recorder, Stub, standing_in
 from .rules import PlacementTable, replicated
 from .wrap import CheckpointLayout, wrap_state_dict
 
@@ -127,65 +128,42 @@ def _pending(original: Any, *, empty: bool) -> Any:
 
 
 # ----------------------------------------------------------------- detection by behaviour
-@dataclass
-class _Stub:
-    """Stands in for a mesh or a parameter in :func:`upstream_uses_checkpoint_layout`."""
-
-    attrs: Mapping[str, Any]
-
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return self.attrs[name]
-        except KeyError:
-            raise AttributeError(name) from None
+#: The probe's checkpoint mesh: EP 2 x expert-dp 2 on 4 ranks, seen from rank 0.
+PROBE_MESH = Stub({"mesh": torch.arange(4).reshape(1, 2, 2, 1), "shape": (1, 2, 2, 1),
+                   "ndim": 4, "mesh_dim_names": None, "get_coordinate": lambda: [0, 0, 0, 0]})
 
 
-class _Recorder:
-    """Stands in for ``DTensor`` in upstream's module during the probe."""
-
-    calls: list[tuple[Any, ...]] = []
-
-    @staticmethod
-    def from_local(local: torch.Tensor, device_mesh: Any = None, placements: Any = None,
-                   **kwargs: Any) -> object:
-        _Recorder.calls.append((device_mesh, tuple(placements or ()), kwargs.get("shape"),
-                                kwargs.get("stride")))
-        return object()
+def builder_calls(dcp_module: Any) -> list[FromLocal]:
+    """What upstream's ``_dcp_tensor_from_param`` passes to ``DTensor.from_local`` for an
+    FSDP2 expert shard (:mod:`.probe`): rank 0 holds rows 0:2 of a [3, 2] expert that FSDP2
+    shards unevenly over expert-dp ranks [0, 2]; the checkpoint key holds both EP ranks'
+    experts, [6, 2], sharded over the EP axis of :data:`PROBE_MESH`."""
+    local = torch.zeros(2, 2)
+    param_mesh = Stub({"mesh": torch.tensor([0, 2]), "shape": (2,), "ndim": 1,
+                       "mesh_dim_names": ("expert_dp",), "get_coordinate": lambda: [0]})
+    param = Stub({"_local_tensor": local, "to_local": lambda: local, "device_mesh": param_mesh,
+                  "placements": (Shard(0),), "shape": torch.Size([3, 2]),
+                  "stride": lambda: (2, 1)})
+    recorder = Recorder()
+    with standing_in(dcp_module, DTensor=recorder):
+        dcp_module._dcp_tensor_from_param(param, PROBE_MESH,
+                                          [Replicate(), Replicate(), Shard(0), Replicate()])
+    return recorder.calls
 
 
 @functools.lru_cache(maxsize=None)
 def upstream_uses_checkpoint_layout() -> str | None:
-    """Why upstream needs no fix (it builds the checkpoint tensor of an FSDP2 expert shard on
-    the checkpoint mesh with the exact global shape), or None.
-
-    Probe: 4 ranks, EP 2 x expert-dp 2, this rank (0) holds expert rows 0:2 of a [3, 2]
-    expert that FSDP2 shards unevenly over expert-dp ranks [0, 2]; the checkpoint key holds
-    both EP ranks' experts: [6, 2]. Upstream's ``_dcp_tensor_from_param`` runs with
-    ``DTensor`` replaced by a recorder (no process group needed). ``dev`` builds on the
-    parameter's mesh; MLite PR 61 multiplies the local shape by the mesh sizes ([8, 2]).
-    Anything else, an error included, counts as needing the fix: the fix replaces the
-    builder, so applying it over a fixed upstream is harmless.
-    """
-    dcp_module = resolve(DCP_MODULE)
-    local = torch.zeros(2, 2)
-    param_mesh = _Stub({"mesh": torch.tensor([0, 2]), "shape": (2,), "ndim": 1,
-                        "mesh_dim_names": ("expert_dp",), "get_coordinate": lambda: [0]})
-    param = _Stub({"_local_tensor": local, "to_local": lambda: local, "device_mesh": param_mesh,
-                   "placements": (Shard(0),), "shape": torch.Size([3, 2]),
-                   "stride": lambda: (2, 1)})
-    mesh = _Stub({"mesh": torch.arange(4).reshape(1, 2, 2, 1), "shape": (1, 2, 2, 1),
-                  "ndim": 4, "mesh_dim_names": None, "get_coordinate": lambda: [0, 0, 0, 0]})
-    placements = [Replicate(), Replicate(), Shard(0), Replicate()]
-    original, _Recorder.calls = dcp_module.DTensor, []
+    """Why upstream needs no fix, or None: it does if :func:`builder_calls` shows the
+    checkpoint mesh and the exact global shape [6, 2]. ``dev`` builds on the parameter's
+    mesh; MLite PR 61 multiplies the local shape by the mesh sizes ([8, 2]). An error counts
+    as needing the fix: the fix replaces the builder, so applying it over a fixed upstream
+    is harmless."""
     try:
-        dcp_module.DTensor = _Recorder
-        dcp_module._dcp_tensor_from_param(param, mesh, placements)
+        calls = builder_calls(resolve(DCP_MODULE))
     except Exception as exc:  # noqa: BLE001 - see the docstring
         logger.debug("MLite probe: upstream's builder raised %r; the fix is applied", exc)
         return None
-    finally:
-        dcp_module.DTensor = original
-    if [(m is mesh, s, st) for m, _, s, st in _Recorder.calls] == [(True, (6, 2), (2, 1))]:
+    if [(c.mesh is PROBE_MESH, c.shape, c.stride) for c in calls] == [(True, (6, 2), (2, 1))]:
         return ("MLite's _dcp_tensor_from_param builds an FSDP2 expert shard's checkpoint "
                 "tensor on the checkpoint mesh with the exact global shape")
     return None

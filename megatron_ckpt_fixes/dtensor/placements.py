@@ -203,6 +203,30 @@ def lines_through(mesh_ranks: Sequence, coord: Coord) -> list[list[int]]:
             for a in range(ranks.ndim)]
 
 
+def shape_from_reference(key: str, local_shape: Sequence[int],
+                         placements: Sequence[Placement], ref_shape: Sequence[int],
+                         ref_placements: Sequence[Placement]) -> Shape:
+    """The global shape of a local tensor made from a reference DTensor's local tensor by
+    local steps only (a transpose or permute, a split or concat along unsharded dims), on the
+    same mesh: a dim that mesh axis ``a`` shards has the reference's global size of the dim
+    axis ``a`` shards there; an unsharded dim is whole on every rank.
+
+    This is what ``DTensor.from_local`` cannot know without ``shape=``: NeMo Automodel's
+    adapters rebuild DTensors after such steps and let it multiply the local size.
+    """
+    if len(placements) != len(ref_placements):
+        raise PlacementError(key, None, f"{len(placements)} placements for a reference with "
+                                        f"{len(ref_placements)}")
+    shape = list(local_shape)
+    for axis, (p, ref) in enumerate(zip(placements, ref_placements)):
+        if is_shard_like(p) != is_shard_like(ref):
+            raise PlacementError(key, None, f"mesh axis {axis} has {p}, the reference {ref}: "
+                                            "not a local transform of the reference")
+        if is_shard_like(p):
+            shape[p.dim] = ref_shape[ref.dim]
+    return tuple(shape)
+
+
 def check_strided_divisible(key: str, global_shape: Sequence[int],
                             placements: Sequence[Placement]) -> None:
     """``_StridedShard`` reproduces chunk-of-a-chunk sharding only when the dim divides by

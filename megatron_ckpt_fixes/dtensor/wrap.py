@@ -30,8 +30,8 @@ from torch.distributed.tensor.placement_types import Placement
 from ..agreement import gather
 from .verdict import KeyReport, Problem, RankReport, verdict
 from .errors import LayoutAgreementError, PlacementError
-from .placements import (axes_of_lines, contiguous_stride, is_sharded, lines_through,
-                         merge_param_sharding, normalize_placements)
+from .placements import (axes_of_lines, check_local_shapes, contiguous_stride, is_sharded,
+                         lines_through, merge_param_sharding, normalize_placements)
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +66,19 @@ def from_local_exact(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence
     return DTensor.from_local(local, mesh, tuple(placements), run_check=False,
                               shape=torch.Size(global_shape),
                               stride=contiguous_stride(global_shape))
+
+
+def from_local_checked(key: str, local: torch.Tensor, mesh: DeviceMesh,
+                       placements: Sequence[Placement], global_shape: Sequence[int]) -> DTensor:
+    """:func:`from_local_exact` after checking, on this rank alone, that ``local`` is the
+    block torch's chunk rule gives this rank for ``global_shape`` (no collective: a wrong
+    global shape or placement raises :class:`PlacementError` where it is seen)."""
+    rank = dist.get_rank() if dist.is_initialized() else None
+    placements = normalize_placements(key, rank, placements, mesh.ndim, local.ndim)
+    coord = tuple(mesh.get_coordinate())
+    check_local_shapes(key, tuple(global_shape), {coord: tuple(local.shape)}, mesh.shape,
+                       placements, {coord: rank})
+    return from_local_exact(local, mesh, placements, global_shape)
 
 
 def plan_wrap(key: str, value: torch.Tensor, layout: CheckpointLayout, rank: int) -> WrapPlan:

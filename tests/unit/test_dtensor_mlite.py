@@ -94,19 +94,20 @@ def test_hc_head_is_replicated_before_the_models_rule():
 
 
 # ------------------------------------------------------------------ detection by behaviour
-def test_dev_and_pr61_still_need_the_fix(dev, probe, monkeypatch):
+def test_dev_and_pr61_still_need_the_fix(dev, probe):
+    """dev builds on the FSDP2 parameter's mesh with its shape; PR 61 on the checkpoint mesh
+    with the local shape times the mesh sizes ([8, 2], not [6, 2])."""
     assert probe() is None
-    assert mlite._Recorder.calls[0][0].mesh_dim_names == ("expert_dp",)  # the param's mesh
+    [call] = mlite.builder_calls(dev)
+    assert call.mesh.mesh_dim_names == ("expert_dp",) and call.shape == (3, 2)
     path = Path(upstream_snapshots.import_root("megatron-lite", "pr61")) / "megatron" / \
         "lite" / "primitive" / "ckpt" / "dcp.py"
     spec = importlib.util.spec_from_file_location("mlite_pr61_dcp_unit", path)
     pr61 = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(pr61)
-    monkeypatch.setattr(mlite, "resolve", lambda target: pr61)
-    probe.cache_clear()
-    assert probe() is None
-    assert [c[2] for c in mlite._Recorder.calls] == [(8, 2)]  # local x mesh sizes, not [6, 2]
-    assert dev.DTensor is not mlite._Recorder and pr61.DTensor is not mlite._Recorder
+    [call] = mlite.builder_calls(pr61)
+    assert call.mesh is mlite.PROBE_MESH and call.shape == (8, 2)
+    assert dev.DTensor is pr61.DTensor  # put back after each probe
 
 
 def test_an_upstream_that_builds_exactly_is_left_alone(dev, probe, monkeypatch, clean_install):
