@@ -29,6 +29,7 @@ rank compares its FSDP2 shard with the block its own mesh and placements say it 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.util
 import sys
@@ -196,11 +197,13 @@ def build_model(truth: Truth, ps, rules, fsdp: bool = True) -> tuple[torch.nn.Mo
     return model, fulls
 
 
-def parallel(tp: int, ep: int):
-    """MLite's own process groups for (tp, ep) on this world."""
+@functools.lru_cache(maxsize=None)
+def parallel(tp: int, ep: int, pp: int = 1):
+    """MLite's own process groups for (tp, ep, pp) on this world (once per spawn: each call
+    of ``init_parallel`` creates every group again)."""
     from megatron.lite.primitive.parallel import init_parallel
 
-    config = SimpleNamespace(tp=tp, ep=ep, etp=1, cp=1, pp=1)
+    config = SimpleNamespace(tp=tp, ep=ep, etp=1, cp=1, pp=pp)
     return config, init_parallel(config)
 
 
@@ -283,10 +286,10 @@ def saved_size(path: str, key: str) -> tuple[int, ...]:
 
 
 def round_trip(api, path: str, truth: Truth, tp: int, ep: int, rules, *, save: bool = True,
-               fsdp: bool = True, step: int = 1) -> dict:
-    """Build at (tp, ep), save with ``api`` (a module with save/load_training_checkpoint)
+               fsdp: bool = True, step: int = 1, pp: int = 1) -> dict:
+    """Build at (tp, ep, pp), save with ``api`` (a module with save/load_training_checkpoint)
     unless ``save`` is false, zero, load, check. Errors are reported, not raised."""
-    config, ps = parallel(tp, ep)
+    config, ps = parallel(tp, ep, pp)
     model, fulls = build_model(truth, ps, rules, fsdp=fsdp)
     out: dict = {}
     kwargs = dict(get_placements=rules.placements, is_expert=rules.is_expert)

@@ -19,6 +19,7 @@ global shapes are read from its metadata.
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -81,19 +82,27 @@ def _module_at(root: torch.nn.Module, dotted: str) -> torch.nn.Module:
     return root
 
 
+@functools.lru_cache(maxsize=None)
+def meshes(ep: int):
+    """NeMo's device mesh and MoE mesh for ``ep`` on this world (built once per spawn: each
+    build creates a dozen process groups)."""
+    from nemo_automodel.components.distributed.mesh import ParallelismSizes
+    from nemo_automodel.components.distributed.mesh_utils import _create_fsdp2_device_mesh
+
+    return _create_fsdp2_device_mesh(ParallelismSizes(ep_size=ep),
+                                     world_size=dist.get_world_size())
+
+
 def build(name: str, ep: int, n_experts: int = E):
     """(model, experts module, moe_mesh): the native weights sharded as NeMo shards them."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import parallelize_module
 
-    from nemo_automodel.components.distributed.mesh import ParallelismSizes
-    from nemo_automodel.components.distributed.mesh_utils import _create_fsdp2_device_mesh
     from nemo_automodel.components.models.common import BackendConfig
     from nemo_automodel.components.moe.parallelizer import ExpertParallel, _moe_shard_placement
 
     spec = MODELS[name]
-    mesh, moe_mesh = _create_fsdp2_device_mesh(ParallelismSizes(ep_size=ep),
-                                               world_size=dist.get_world_size())
+    mesh, moe_mesh = meshes(ep)
     model = torch.nn.Module()
     experts = _module_at(model, spec.prefix)
     for key, value in truth(n_experts).items():

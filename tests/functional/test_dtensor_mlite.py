@@ -90,6 +90,9 @@ def _four(rank: int, world: int, roots: dict, dirs: dict) -> dict:
                                                           rules))
     finally:
         wrap.from_local_exact = exact
+    # PP 2 x EP 2: a stage's keys exist on its ranks only, the checkpoint mesh spans both.
+    out["pp2_ep2"] = _summary(h.round_trip(api, dirs["pp2"], h.Truth(tp=1, ep=2), 1, 2, rules,
+                                           pp=2))
     megatron_ckpt_fixes.uninstall()
     out["meshes_mapped"] = mapped["meshes"]
     return out
@@ -179,7 +182,7 @@ def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("mlite")
     return {name: str(root / name) for name in (
         "up_a", "up_b", "up_plain", "pr61", "a", "b", "c", "plain", "even", "no_shape",
-        "up_3", "ep3", "ep1", "two", "up_two")}
+        "up_3", "ep3", "ep1", "two", "up_two", "pp2")}
 
 
 @pytest.fixture(scope="module")
@@ -316,3 +319,13 @@ def test_wrong_fix_always_checkpoint_mesh_materializes_empty_shards(three):
     cannot copy the whole loaded tensors into its FSDP2 shards."""
     assert three[2]["wrong_fix_passed"]["model.layers.0.attn_hc.hc_fn"][1] == 10
     assert all("error" in r["wrong_fix_ckpt_mesh"] for r in three)
+
+
+def test_pipeline_stages_with_a_sharded_layout_are_refused_on_every_rank(four):
+    """PP 2 x EP 2: the expert mesh spans both stages, each stage's keys live on its own
+    ranks; the same LayoutAgreementError on every rank before DCP (upstream: silently the
+    wrong experts, as at PP 1)."""
+    errors = [r["pp2_ep2"].get("error", "") for r in four]
+    assert all(e.startswith("LayoutAgreementError") and "of the checkpoint mesh have no "
+               "local shard for this key" in e for e in errors), errors
+    assert len({e.partition(":")[2] for e in errors}) == 1

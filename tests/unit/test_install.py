@@ -18,7 +18,7 @@ from megatron_ckpt_fixes.compat import versions
 from megatron_ckpt_fixes.structure import cached_save
 
 #: The megatron-core features (those of other systems have their own tests, through the
-#: real system: tests/*/test_dtensor_mlite.py, ...).
+#: real system: tests/functional/test_dtensor_mlite.py, ...).
 ALL_FEATURES = tuple(f for f in FEATURES + OPTIONAL_FEATURES
                      if feature_system(f) == MEGATRON_CORE)
 
