@@ -56,6 +56,7 @@ UNEVEN = (64, [37 + 175 * i for i in range(19)] + [3400 + 160 * i for i in range
           + [5050 + 150 * i for i in range(10)] + [6700 + 160 * i for i in range(20)])
 UNKNOWN = [i for i in range(3, 10_000, 37) if i not in set(EVEN[1]) | set(UNEVEN[1])][:256]
 TZREC_FEATURE = "reshard.tzrec"
+PATCHES = [f"{TZREC_FEATURE}.{p}" for p in ("needs_mch_redistribution", "partial_load_planner", "restore_model")]
 
 
 def _gather(value: object) -> list:
@@ -154,21 +155,26 @@ def _measure(model, optimizer, rank: int, world: int, saved: dict) -> dict:
         "wrong_state": [i for i in owned if i in mine and mine[i] != truth[i]],
         "dense_exact": _dense(model, optimizer) == saved["dense"],
         "iter": int(tm.mc_module(model)._current_iter_tensor),
-        "patched": sorted(n for n, why in megatron_ckpt_fixes.installed().items()
-                          if not why.startswith(("not applied", "waiting"))),
+        "patched": _applied(),
     }
 
 
-def job(rank: int, world: int, steps: list[tuple]) -> list:
+def _applied() -> list[str]:
+    return sorted(n for n, why in megatron_ckpt_fixes.installed().items()
+                  if not why.startswith(("not applied", "waiting")))
+
+
+def job(rank: int, world: int, steps: list[tuple]) -> dict:
     """Runs the steps in order; ``("fixed", ...)`` after ``install()``, or after nothing when
-    the activation switch is set; ``("upstream", ...)`` after ``uninstall()``."""
+    the activation switch is set; ``("upstream", ...)`` after ``uninstall()``. Also returns
+    the tzrec patches applied before and after the first ``import tzrec``."""
     tzrec_harness.activate()
-    switch = os.environ.get(ENV)
-    if not switch:
+    if not os.environ.get(ENV):
         megatron_ckpt_fixes.install([TZREC_FEATURE])
+    before = _applied()
     import tzrec  # noqa: F401 - the first import: the switch (or the waiting install) applies the patches
 
-    out = []
+    after, out = _applied(), []
     for kind, *args in steps:
         if kind == "save":
             out.append(_save(rank, world, *args))
@@ -176,7 +182,7 @@ def job(rank: int, world: int, steps: list[tuple]) -> list:
         if kind == "upstream":
             megatron_ckpt_fixes.uninstall()
         out.append(_restore(rank, world, *args))
-    return out
+    return {"before_import": before, "after_import": after, "steps": out}
 
 
 def _merge(per_rank: list[dict]) -> dict:
@@ -190,6 +196,7 @@ def runs(tmp_path_factory):
     ck = {n: str(root / n) for n in ("even1", "even2", "even4", "even3_from_2", "uneven2")}
     saved: dict[str, dict] = {}
     out: dict[str, list] = {}
+    imports: dict = {}
 
     def spawn(world: int, steps: list[tuple], names: list[str], switch: str | None = None) -> None:
         old = os.environ.pop(ENV, None)
@@ -197,6 +204,9 @@ def runs(tmp_path_factory):
             os.environ[ENV] = switch
         try:
             results = [r.value for r in run_ranks(job, world, steps, timeout_s=300)]
+            imports[world if not switch else f"{world}:switch"] = [
+                (r["before_import"], r["after_import"]) for r in results]
+            results = [r["steps"] for r in results]
         finally:
             os.environ.pop(ENV, None)
             if old is not None:
@@ -224,10 +234,11 @@ def runs(tmp_path_factory):
           ["2to3", "4to3", "uneven2to3", "2to3:upstream", "4to3:upstream", "uneven2to3:upstream"],
           switch="1")
     saved["even3_from_2"] = saved["even2"]
-    spawn(2, [restore("fixed", "even3_from_2"), restore("upstream", "even3_from_2")],
-          ["3to2", "3to2:upstream"])
+    spawn(2, [restore("fixed", "even3_from_2"), restore("fixed", "even2"), restore("upstream", "even3_from_2")],
+          ["3to2", "2to2", "3to2:upstream"])
     sources = {"1to2": "even1", "2to3": "even2", "2to4": "even2", "3to2": "even2", "4to3": "even4",
-               "uneven2to3": "uneven2"}
+               "uneven2to3": "uneven2", "2to2": "even2"}
+    out["imports"] = imports
     return out, {case: saved[src] for case, src in sources.items()}
 
 
@@ -239,8 +250,7 @@ def _fixed_ok(results: list[dict], source: dict, evicted: set[int] = frozenset()
     held = sorted(i for r in results for i in r["held"])
     assert held == sorted(set(source["ids"]) - evicted), "every kept id is held once, on some rank"
     for rank, r in enumerate(results):
-        assert r["patched"] == [f"{TZREC_FEATURE}.{p}" for p in
-                                ("needs_mch_redistribution", "partial_load_planner", "restore_model")]
+        assert r["patched"] == PATCHES
         assert sorted(r["wrong_rows"]) == sorted(evicted), f"rank {rank}: ids look up other rows"
         assert r["held"] == sorted(set(r["owned"]) - evicted), f"rank {rank} holds ids it does not serve"
         assert r["wrong_state"] == [], f"rank {rank}: optimizer rows or metadata differ"
@@ -250,7 +260,7 @@ def _fixed_ok(results: list[dict], source: dict, evicted: set[int] = frozenset()
         assert r["dense_exact"] and r["iter"] == source["iter"] == STEPS and r["trained"]
 
 
-@pytest.mark.parametrize("case", EVEN_CASES)
+@pytest.mark.parametrize("case", (*EVEN_CASES, "2to2"))  # 2to2: the same layout, by position
 def test_restore_model_keeps_every_learned_id(runs, case):
     out, saved = runs
     _fixed_ok(out[case], saved[case])
@@ -278,8 +288,17 @@ def test_upstream_restore_model_loses_learned_ids(runs, case):
                    "%d of %d unknown ids read a learned row", case, len(first["wrong_rows"]),
                    len(saved[case]["ids"]), sum(len(r["holds_miss_slot"]) for r in results),
                    first["unknown_read_learned"], len(UNKNOWN))
-    assert first["wrong_rows"]
+    assert first["wrong_rows"] and first["unknown_read_learned"]
     assert sum(len(r["wrong_state"]) + len(set(r["held"]) - set(r["owned"])) for r in results) > 0
+
+
+def test_zero_code_activation_applies_the_fix_at_the_first_import_of_tzrec(runs):
+    """At 3 ranks only ``MEGATRON_CKPT_FIXES=1`` was set (no install() call): nothing was
+    patched before ``import tzrec``, the three patches after it (and the restores there are
+    the fixed ones above: 2to3, 4to3, uneven2to3)."""
+    out, _ = runs
+    assert out["imports"]["3:switch"] == [([], PATCHES)] * 3
+    assert out["imports"][2] == [([], PATCHES)] * 2  # install() before the import: it waited
 
 
 def test_upstream_restore_model_uneven_sizes_stops(runs):
