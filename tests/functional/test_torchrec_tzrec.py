@@ -40,8 +40,11 @@ import torch.distributed as dist
 import torchrec_model as tm
 import tzrec_harness
 
+from torch.distributed._shard.sharded_tensor import ShardedTensor
+
 import megatron_ckpt_fixes
 from megatron_ckpt_fixes.activation import ENV
+from megatron_ckpt_fixes.reshard import ReshardError
 from megatron_ckpt_fixes.testing import run_ranks
 
 logger = logging.getLogger(__name__)
@@ -55,6 +58,7 @@ EVEN = (96, [61 + 125 * i for i in range(80)])  # 20 per quarter, 26-27 per thir
 UNEVEN = (64, [37 + 175 * i for i in range(19)] + [3400 + 160 * i for i in range(10)]
           + [5050 + 150 * i for i in range(10)] + [6700 + 160 * i for i in range(20)])
 UNKNOWN = [i for i in range(3, 10_000, 37) if i not in set(EVEN[1]) | set(UNEVEN[1])][:256]
+COUNTS_KEY = "sparse._managed_collision_collection._managed_collision_modules.t0._mch_counts"
 TZREC_FEATURE = "reshard.tzrec"
 PATCHES = [f"{TZREC_FEATURE}.{p}" for p in ("needs_mch_redistribution", "partial_load_planner", "restore_model")]
 
@@ -131,6 +135,27 @@ def _restore(rank: int, world: int, ckpt: str, saved: dict, zch: int, save_to: s
     return out
 
 
+def _refused(rank: int, world: int, ckpt: str, zch: int, param_map: str) -> dict:
+    """A restore whose parameter map sends one MC buffer to a key the checkpoint lacks: the
+    table cannot be loaded by value (upstream would load the rest of it and skip that one)."""
+    from tzrec.utils.checkpoint_util import restore_model
+
+    model = tm.build(world, seed=7, zch=zch)
+    optimizer = _optimizer(model)
+    before = {k: _local(v).clone() for k, v in model.state_dict().items()}
+    error = None
+    try:
+        restore_model(ckpt, model, optimizer, ckpt_param_map_path=param_map)
+    except ReshardError as exc:
+        error = str(exc)
+    return {"error": error, "untouched": all(torch.equal(before[k], _local(v))
+                                             for k, v in model.state_dict().items())}
+
+
+def _local(value: object) -> torch.Tensor:
+    return value.local_shards()[0].tensor if isinstance(value, ShardedTensor) else value
+
+
 def _measure(model, optimizer, rank: int, world: int, saved: dict) -> dict:
     from megatron_ckpt_fixes.reshard.torchrec_dmp import TorchRecRouting
 
@@ -181,7 +206,7 @@ def job(rank: int, world: int, steps: list[tuple]) -> dict:
             continue
         if kind == "upstream":
             megatron_ckpt_fixes.uninstall()
-        out.append(_restore(rank, world, *args))
+        out.append((_refused if kind == "refused" else _restore)(rank, world, *args))
     return {"before_import": before, "after_import": after, "steps": out}
 
 
@@ -234,8 +259,11 @@ def runs(tmp_path_factory):
           ["2to3", "4to3", "uneven2to3", "2to3:upstream", "4to3:upstream", "uneven2to3:upstream"],
           switch="1")
     saved["even3_from_2"] = saved["even2"]
-    spawn(2, [restore("fixed", "even3_from_2"), restore("fixed", "even2"), restore("upstream", "even3_from_2")],
-          ["3to2", "2to2", "3to2:upstream"])
+    param_map = root / "param_map"
+    param_map.write_text(f"{COUNTS_KEY} no.such.key\n")
+    spawn(2, [restore("fixed", "even3_from_2"), restore("fixed", "even2"),
+              ("refused", ck["even3_from_2"], EVEN[0], str(param_map)), restore("upstream", "even3_from_2")],
+          ["3to2", "2to2", "part_missing", "3to2:upstream"])
     sources = {"1to2": "even1", "2to3": "even2", "2to4": "even2", "3to2": "even2", "4to3": "even4",
                "uneven2to3": "uneven2", "2to2": "even2"}
     out["imports"] = imports
@@ -299,6 +327,15 @@ def test_zero_code_activation_applies_the_fix_at_the_first_import_of_tzrec(runs)
     out, _ = runs
     assert out["imports"]["3:switch"] == [([], PATCHES)] * 3
     assert out["imports"][2] == [([], PATCHES)] * 2  # install() before the import: it waited
+
+
+def test_restore_model_refuses_a_partial_table_on_every_rank_model_untouched(runs):
+    out, _ = runs
+    results = out["part_missing"]
+    assert len({r["error"] for r in results}) == 1, "the same error on every rank"
+    assert "holds only part of the managed-collision state" in results[0]["error"]
+    assert COUNTS_KEY in results[0]["error"] and "rank 0" in results[0]["error"]
+    assert all(r["untouched"] for r in results)
 
 
 def test_upstream_restore_model_uneven_sizes_stops(runs):
