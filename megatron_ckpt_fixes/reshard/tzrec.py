@@ -114,17 +114,23 @@ class _Plan:
         return frozenset(m for part in self.state.values() for m in map(_memory, part.values()) if m)
 
 
-def _plan(checkpoint_dir: str, model: torch.nn.Module, optimizer: Any, param_map: str | None) -> _Plan | None:
-    """Rank-local: the state of ``model``'s sharded managed-collision collections that the
-    checkpoint holds, as tzrec's restore would read it; None when there is nothing to load
-    by value (then upstream's restore runs unchanged)."""
-    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+def _collections(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The DMP-sharded managed-collision collections of ``model``."""
     from torchrec.distributed.mc_embedding_modules import BaseShardedManagedCollisionEmbeddingCollection
 
-    collections = [m for m in model.modules() if isinstance(m, BaseShardedManagedCollisionEmbeddingCollection)]
+    return [m for m in model.modules() if isinstance(m, BaseShardedManagedCollisionEmbeddingCollection)]
+
+
+def _plan(checkpoint_dir: str, model: torch.nn.Module, collections: list[torch.nn.Module], optimizer: Any,
+          param_map: str | None) -> _Plan | None:
+    """Rank-local: the state of ``collections`` that the checkpoint holds, as tzrec's restore
+    would read it; None when there is nothing to load by value (then upstream's restore runs
+    unchanged)."""
+    from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+
     model_dir, optim_dir = os.path.join(checkpoint_dir, "model"), os.path.join(checkpoint_dir, "optimizer")
-    if not collections or not os.path.exists(model_dir):
-        return None  # upstream's restore: nothing to move, or its own error
+    if not os.path.exists(model_dir):
+        return None  # upstream's restore raises its own error
     meta = {}
     if os.path.exists(os.path.join(checkpoint_dir, "meta")):
         with open(os.path.join(checkpoint_dir, "meta")) as f:
@@ -143,8 +149,12 @@ def _plan(checkpoint_dir: str, model: torch.nn.Module, optimizer: Any, param_map
                            f"missing: {missing}")
     plan = _Plan({"model": model_state}, {"model": Part(model_dir, model_md, model_keys)})
     if optimizer is not None and meta.get("load_optim", True) and os.path.exists(optim_dir):
+        # A keyed optimizer (TorchRec's, tzrec's) keys its state by the key of each parameter in
+        # ``params``: those of these tables' weights are found by memory, whatever their names.
+        weights = {_memory(v) for v in model_state.values()}
+        keys = [k for k, p in getattr(optimizer, "params", {}).items() if _memory(p) in weights]
         saved = optimizer.state_dict().get("state", {})
-        optim_state, _ = flatten_state_dict({"state": {k: saved[k] for k in model_state if k in saved}})
+        optim_state, _ = flatten_state_dict({"state": {k: saved[k] for k in keys if k in saved}})
         optim_md, optim_keys = _saved_keys(cu, optim_state, optim_dir, param_map)
         if optim_keys:  # states absent from the checkpoint: upstream skips them, warning
             plan.parts["optimizer"] = Part(optim_dir, optim_md, optim_keys)
@@ -154,13 +164,17 @@ def _plan(checkpoint_dir: str, model: torch.nn.Module, optimizer: Any, param_map
 
 def _load_by_value(checkpoint_dir: str, model: torch.nn.Module, optimizer: Any,
                    param_map: str | None, view_dir: str) -> _Loaded | None:
-    """Load the managed-collision state of ``model`` by value; collective. None: nothing was
-    loaded (every rank agrees)."""
+    """Load the managed-collision state of ``model`` by value; collective where the model has
+    DMP-sharded managed-collision collections (a sharded model's restore is). None: nothing
+    was loaded (every rank agrees)."""
     from .torchrec_dmp import load
 
+    collections = _collections(model)
+    if not collections:
+        return None  # no collective: tzrec also restores unsharded models on one rank (export)
     plan, error = None, None
     try:
-        plan = _plan(checkpoint_dir, model, optimizer, param_map)
+        plan = _plan(checkpoint_dir, model, collections, optimizer, param_map)
         if plan is not None:
             write_view(view_dir, plan.parts)
     except (KeyboardInterrupt, SystemExit):
@@ -282,7 +296,9 @@ def upstream_routes_by_value() -> str | None:
     slot keeps both on rank 1 (sends ``[0, 2]``); routing by value sends id 1 to rank 0. No
     collective runs: during the call, the checkpoint module's ``torch.distributed`` is a
     stand-in that stops at the first all_to_all (the counts) with what it would send (as rank
-    1, so upstream's rank-0 log line stays quiet). ``install()`` holds its lock meanwhile.
+    1, so upstream's rank-0 log line stays quiet). ``install()`` holds its lock meanwhile, but
+    another thread inside tzrec's checkpoint module at that moment would see the stand-in:
+    apply the feature before training starts (the first ``import tzrec`` does).
     """
     from torchrec.modules.mc_modules import DistanceLFU_EvictionPolicy, MCHManagedCollisionModule
 

@@ -26,7 +26,7 @@ import fcntl
 import shutil
 import subprocess
 import sys
-from importlib.metadata import version
+from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -50,8 +50,13 @@ def import_root() -> Path:
     """The folder to put first on ``sys.path``: the bare package and the generated protobuf
     modules (made on the first call; concurrent callers wait on a lock)."""
     tzrec = snapshot_tzrec()
+    try:
+        tools = version("grpcio-tools")
+    except PackageNotFoundError as exc:
+        raise RuntimeError("grpcio-tools is not installed (tzrec's protobuf modules are generated "
+                           "with it): bash scripts/install_tzrec_test_deps.sh") from exc
     extracted = tzrec.parent.parent  # the cache folder of this snapshot's digest
-    root = extracted.with_name(f"{extracted.name}-protos-grpcio-tools-{version('grpcio-tools')}")
+    root = extracted.with_name(f"{extracted.name}-protos-grpcio-tools-{tools}")
     done = root / ".generated"
     if done.is_file():
         return root
