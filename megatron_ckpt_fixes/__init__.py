@@ -49,6 +49,7 @@ FEATURES: tuple[str, ...] = (
     "compat.rerun_device",
     "dtensor.mcore",
     "checksums",
+    "reshard.tzrec",
 )
 
 #: Features applied only when named: not checkpoint fixes. ``training.cpu_support`` replaces
@@ -62,7 +63,9 @@ OPTIONAL_FEATURES: tuple[str, ...] = (
 #: megatron-core. Declared here rather than in the feature's module so that the zero-code
 #: activation can wait for the right import without importing any feature module (they
 #: import torch).
-SYSTEMS: dict[str, str] = {}
+SYSTEMS: dict[str, str] = {
+    "reshard.tzrec": "tzrec",
+}
 
 #: The system of every feature not in ``SYSTEMS``.
 MEGATRON_CORE = "megatron.core"
@@ -164,6 +167,7 @@ def install(features: Iterable[str] | None = None) -> list[str]:
         if now:
             check_supported()
         later: dict[str, list[str]] = {}
+        absent: dict[str, str] = {}  # recorded once the rest is applied: all or nothing
         for feature in chosen:
             system = feature_system(feature)
             if system == MEGATRON_CORE:
@@ -174,10 +178,11 @@ def install(features: Iterable[str] | None = None) -> list[str]:
                 later.setdefault(system, []).append(feature)
             else:
                 for patch in _declared([feature]):
-                    _not_applied[patch.name] = f"not applied: {system} is not installed"
+                    absent[patch.name] = f"not applied: {system} is not installed"
         for name in _patches.install(_declared(now)):
             _not_applied.pop(name, None)
             logger.info("megatron_ckpt_fixes: installed %s", name)
+        _not_applied.update(absent)
         for system, waiting in later.items():
             _wait_for(system, waiting)
         _features.extend(f for f in chosen if f not in _features)
