@@ -51,6 +51,7 @@ FEATURES: tuple[str, ...] = (
     "dtensor.mlite",
     "dtensor.nemo_automodel",
     "checksums",
+    "reshard.tzrec",
 )
 
 #: Features applied only when named: not checkpoint fixes. ``training.cpu_support`` replaces
@@ -67,6 +68,7 @@ OPTIONAL_FEATURES: tuple[str, ...] = (
 SYSTEMS: dict[str, str] = {
     "dtensor.mlite": "megatron.lite",
     "dtensor.nemo_automodel": "nemo_automodel",
+    "reshard.tzrec": "tzrec",
 }
 
 #: The system of every feature not in ``SYSTEMS``.
@@ -169,6 +171,7 @@ def install(features: Iterable[str] | None = None) -> list[str]:
         if now:
             check_supported()
         later: dict[str, list[str]] = {}
+        absent: dict[str, str] = {}  # recorded once the rest is applied: all or nothing
         for feature in chosen:
             system = feature_system(feature)
             if system == MEGATRON_CORE:
@@ -179,10 +182,11 @@ def install(features: Iterable[str] | None = None) -> list[str]:
                 later.setdefault(system, []).append(feature)
             else:
                 for patch in _declared([feature]):
-                    _not_applied[patch.name] = f"not applied: {system} is not installed"
+                    absent[patch.name] = f"not applied: {system} is not installed"
         for name in _patches.install(_declared(now)):
             _not_applied.pop(name, None)
             logger.info("megatron_ckpt_fixes: installed %s", name)
+        _not_applied.update(absent)
         for system, waiting in later.items():
             _wait_for(system, waiting)
         _features.extend(f for f in chosen if f not in _features)

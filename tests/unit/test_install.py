@@ -11,16 +11,15 @@ import torch
 from packaging.version import Version
 
 import megatron_ckpt_fixes
-from megatron_ckpt_fixes import (MEGATRON_CORE, FEATURES, OPTIONAL_FEATURES,
-                                 UnsupportedVersionError, feature_system)
+from megatron_ckpt_fixes import FEATURES, OPTIONAL_FEATURES, UnsupportedVersionError
 from megatron_ckpt_fixes._patching import _MISSING, Patch, PatchSet, _raw, definer, resolve
 from megatron_ckpt_fixes.compat import versions
 from megatron_ckpt_fixes.structure import cached_save
 
-#: The megatron-core features (those of other systems have their own tests, through the
-#: real system: tests/functional/test_dtensor_mlite.py, ...).
+#: The megatron-core features: those of other systems (``SYSTEMS``) are applied only where
+#: their system is imported, and have their own tests through that system's code.
 ALL_FEATURES = tuple(f for f in FEATURES + OPTIONAL_FEATURES
-                     if feature_system(f) == MEGATRON_CORE)
+                     if megatron_ckpt_fixes.feature_system(f) == megatron_ckpt_fixes.MEGATRON_CORE)
 
 
 def _declared(features=ALL_FEATURES):
@@ -194,14 +193,15 @@ def test_the_distribution_memo_is_required_where_the_wrapper_has_a_cache_path(
 def test_install_is_all_or_nothing_when_applying_fails(clean_install, monkeypatch):
     """A patch whose build raises (after earlier ones were applied) rolls every one back."""
     before = _snapshot()
-    last = _declared(FEATURES)[-1]
+    core = [f for f in FEATURES if f in ALL_FEATURES]
+    last = _declared(core)[-1]
 
     def broken(_original):
         raise RuntimeError("cannot build")
 
     failing = Patch(name=last.name, target=last.target, attr=last.attr, build=broken,
                     why=last.why, not_needed=None)
-    module = resolve(f"megatron_ckpt_fixes.{FEATURES[-1]}")
+    module = resolve(f"megatron_ckpt_fixes.{core[-1]}")
     monkeypatch.setattr(module, "PATCHES", (*module.PATCHES[:-1], failing))
     with pytest.raises(RuntimeError, match="cannot build"):
         clean_install.install(ALL_FEATURES)
