@@ -48,6 +48,8 @@ FEATURES: tuple[str, ...] = (
     "async_worker",
     "compat.rerun_device",
     "dtensor.mcore",
+    "dtensor.mlite",
+    "dtensor.nemo_automodel",
     "checksums",
     "reshard.tzrec",
 )
@@ -64,6 +66,8 @@ OPTIONAL_FEATURES: tuple[str, ...] = (
 #: activation can wait for the right import without importing any feature module (they
 #: import torch).
 SYSTEMS: dict[str, str] = {
+    "dtensor.mlite": "megatron.lite",
+    "dtensor.nemo_automodel": "nemo_automodel",
     "reshard.tzrec": "tzrec",
 }
 

@@ -204,7 +204,7 @@ def test_install_is_all_or_nothing_when_applying_fails(clean_install, monkeypatc
     module = resolve(f"megatron_ckpt_fixes.{core[-1]}")
     monkeypatch.setattr(module, "PATCHES", (*module.PATCHES[:-1], failing))
     with pytest.raises(RuntimeError, match="cannot build"):
-        clean_install.install()
+        clean_install.install(ALL_FEATURES)
     assert clean_install.installed() == {}
     assert _untouched(before)
 
