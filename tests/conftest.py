@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import datetime
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -30,3 +32,25 @@ def clean_install():
     megatron_ckpt_fixes.uninstall()
     yield megatron_ckpt_fixes
     megatron_ckpt_fixes.uninstall()
+
+
+@pytest.fixture(scope="session")
+def beside(tmp_path_factory):
+    """``beside("pkg==1.2")``: the environment for a subprocess that sees only that package
+    from a directory of its own (``pip install --no-deps --target``, from the package registry)
+    first on PYTHONPATH, everything else from this environment; one download per session and
+    spec."""
+    root = tmp_path_factory.mktemp("beside")
+    made: dict[str, Path] = {}
+
+    def env(spec: str) -> dict[str, str]:
+        if spec not in made:
+            target = root / spec.replace("=", "_")
+            subprocess.run([sys.executable, "-m", "pip", "install", "--quiet", "--no-deps",
+                            "--ignore-requires-python", "--target", str(target), spec],
+                           check=True, timeout=600)
+            made[spec] = target
+        return {**os.environ, "PYTHONPATH": os.pathsep.join(
+            [str(made[spec]), *filter(None, [os.environ.get("PYTHONPATH")])])}
+
+    return env
