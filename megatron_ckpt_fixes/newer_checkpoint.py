@@ -9,7 +9,9 @@ has no attribute 'iterdir'``). A downgrade cannot work; this says what happened.
 Decided from the checkpoint and from this megatron-core's behaviour, never from version
 numbers: no ``common.pt``, a ``common_state`` entry in ``.metadata``, and this
 megatron-core's own ``load_common_state_dict`` failing on the directory. Only asked after a
-load failed; the facts are on disk, so every rank finds the same answer.
+read failed (:mod:`.load_errors` asks it for ``dist_checkpointing.load`` and for
+``load_common_state_dict``, which Megatron-LM's training flow and ``load_content_metadata``
+call before any load); the facts are on disk, so every rank finds the same answer.
 """
 
 from __future__ import annotations
@@ -41,16 +43,17 @@ def _reads_common_object(checkpoint_dir: Any) -> bool:
     return True
 
 
-def newer_writer_reason(checkpoint_dir: Any) -> str | None:
+def newer_writer_reason(checkpoint_dir: Any, common_failed: bool = False) -> str | None:
     """One line saying why this megatron-core cannot read ``checkpoint_dir`` if a newer one
-    wrote it; None if that is not why (or cannot be told)."""
+    wrote it; None if that is not why (or cannot be told). ``common_failed``: this
+    megatron-core's ``load_common_state_dict`` is known to have failed on it already."""
     path = Path(checkpoint_dir)
     try:
         if (path / COMMON_FILE).exists() or not _has_common_object(path):
             return None
     except Exception:  # noqa: BLE001 - no readable .metadata: some other failure
         return None
-    if _reads_common_object(checkpoint_dir):
+    if not common_failed and _reads_common_object(checkpoint_dir):
         return None
     return (f"{PREFIX}: its common state is the {COMMON_OBJECT!r} object inside the torch_dist "
             f"checkpoint and there is no {COMMON_FILE}, the only place megatron-core "
