@@ -28,6 +28,7 @@ from torch.distributed.checkpoint import CheckpointException
 from ._patching import Patch
 from .agreement import agree, rank_and_size
 from .errors import MegatronCkptFixesError
+from .messages import shorten
 from .newer_checkpoint import PREFIX as NEWER_WRITER
 from .newer_checkpoint import newer_writer_reason
 
@@ -40,7 +41,7 @@ _HINTS = {
 
 
 def _cause(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip()
+    text = shorten(f"{type(exc).__name__}: {exc}".strip())
     hints = [hint for pattern, hint in _HINTS.items() if pattern in text]
     return text + (f" ({hints[0]})" if hints else "")
 

@@ -53,6 +53,7 @@ from ..checksums.record import (
 )
 from ..compat.detect import quiet
 from ..newer_checkpoint import newer_writer_reason
+from .locate import Unverifiable
 
 
 #: Upstream causes can be pages long (torch.load's weights-only advice): one line is enough.
@@ -68,10 +69,6 @@ class Problem:
 
     def __str__(self) -> str:
         return f"{self.where}: {self.cause}"
-
-
-class Unverifiable(Exception):
-    """The directory cannot be checked at all (one line says why)."""
 
 
 @dataclass
