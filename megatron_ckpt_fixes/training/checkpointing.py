@@ -208,7 +208,11 @@ class Checkpointer:
         what = f"reading the checkpoint to resume from in {root}"
         found = run(functools.partial(_locate, root), what, raise_as=CheckpointReadError)
         if found is None:
-            logger.info("no checkpoint in %s: starting from scratch", root)
+            if dist.get_rank() == 0:
+                if root.exists():
+                    logger.info("no checkpoint in %s: starting from scratch", root)
+                else:
+                    logger.warning("--load %s does not exist: starting from scratch", root)
             return None
         ckpt, common = found
         if self.options.verify_checksums:
