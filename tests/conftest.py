@@ -11,15 +11,17 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from megatron_ckpt_fixes.testing import init_test_group
+
 # Spawned ranks import helper modules that live beside the tests.
 sys.path.insert(0, str(Path(__file__).parent / "functional"))
 
 
 @pytest.fixture
 def single_rank_group(tmp_path):
-    """A real gloo process group of one rank (megatron-core code asks for rank/world size)."""
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'rdzv'}", rank=0,
-                            world_size=1, timeout=datetime.timedelta(seconds=30))
+    """A real gloo process group of one rank (megatron-core code asks for rank/world size);
+    another backend where ``MCF_TEST_BACKEND`` names one (scripts/gpu_check.sh)."""
+    init_test_group(0, 1, f"file://{tmp_path / 'rdzv'}", datetime.timedelta(seconds=30))
     yield
     dist.destroy_process_group()
 
