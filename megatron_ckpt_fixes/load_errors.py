@@ -173,22 +173,17 @@ def clear_newer_writer(original: Callable[..., Any]) -> Callable[..., Any]:
     return load_common_state_dict
 
 
+def _entry_point(attr: str, build: Callable[[Any], Any], why: str) -> Patch:
+    """A patch of one of ``dist_checkpointing``'s entry points (re-exported by the package)."""
+    return Patch(name=f"load_errors.{attr}",
+                 target="megatron.core.dist_checkpointing.serialization", attr=attr,
+                 build=build, aliases=("megatron.core.dist_checkpointing",), why=why)
+
+
 PATCHES: tuple[Patch, ...] = (
-    Patch(
-        name="load_errors.load",
-        target="megatron.core.dist_checkpointing.serialization",
-        attr="load",
-        build=clear_load_errors,
-        aliases=("megatron.core.dist_checkpointing",),
-        why="a failed load names the key, the rank and the cause, the same on every rank",
-    ),
-    Patch(
-        name="load_errors.load_common_state_dict",
-        target="megatron.core.dist_checkpointing.serialization",
-        attr="load_common_state_dict",
-        build=clear_newer_writer,
-        aliases=("megatron.core.dist_checkpointing",),
-        why="reading the common state of a checkpoint a newer megatron-core wrote says so in "
-            "one line (the training flow reads it before the load)",
-    ),
+    _entry_point("load", clear_load_errors,
+                 "a failed load names the key, the rank and the cause, the same on every rank"),
+    _entry_point("load_common_state_dict", clear_newer_writer,
+                 "reading the common state of a checkpoint a newer megatron-core wrote says so "
+                 "in one line (the training flow reads it before the load)"),
 )
