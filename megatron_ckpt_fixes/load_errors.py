@@ -163,7 +163,7 @@ def clear_newer_writer(original: Callable[..., Any]) -> Callable[..., Any]:
         try:
             return original(checkpoint_dir, *args, **kwargs)
         except Exception as exc:
-            newer = newer_writer_reason(checkpoint_dir, common_failed=True)
+            newer = newer_writer_reason(checkpoint_dir)
             if newer is None:
                 raise
             rank = rank_and_size()[0]

@@ -183,7 +183,7 @@ def megatron_problems(checkpoint_dir: str) -> list[Problem]:
         except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException included
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
-            newer = newer_writer_reason(checkpoint_dir, common_failed=True)
+            newer = newer_writer_reason(checkpoint_dir)
             if newer is not None:
                 return [Problem("common state", newer)]
             cause = " ".join(f"{type(exc).__name__}: {exc}".split())

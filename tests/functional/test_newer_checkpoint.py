@@ -141,3 +141,14 @@ def test_a_training_job_resuming_from_a_checkpoint_of_megatron_core_0_19(tmp_pat
     for rank in (0, 1):
         assert f"  rank {rank}: {cause}" in fixed.output, fixed.output[-6000:]
     assert "Traceback" not in fixed.output
+
+
+def test_the_probe_agrees_with_what_this_release_writes():
+    """The newer-writer line asks the release itself (a tiny checkpoint of the newer layout):
+    a release whose save writes the ``common_state`` object reads one; 0.16.1 does not."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_ckpt_fixes.newer_checkpoint import reads_common_object
+
+    assert reads_common_object(dist_checkpointing.load_common_state_dict) \
+        == _writes_common_object()
