@@ -8,10 +8,10 @@
 # Checkpointer never import, so it is installed without them (line 1). Its adapters import
 # transformers, pinned to the release 0.7.0 was built against; transformers 5.18.0 pulls only
 # pure-Python packages (huggingface_hub, tokenizers, safetensors, ...), never torch (check:
-# `pip install --dry-run transformers==5.18.0`). Idempotent: run it again and pip finds
-# everything satisfied. Use the pip of the environment to install into (default: the `pip`
-# on PATH; PIP="python -m pip" to choose).
+# `pip install --dry-run transformers==5.18.0`), and leaves the installed numpy where it is.
+# Idempotent: run it again and pip finds everything satisfied. Installs into the environment
+# of `python` on PATH (PYTHON=/path/to/python to choose).
 set -euo pipefail
-PIP=${PIP:-pip}
-$PIP install --no-deps nemo-automodel==0.7.0
-$PIP install transformers==5.18.0 safetensors "numpy<2.5"
+PYTHON=${PYTHON:-python}
+"$PYTHON" -m pip install --no-deps nemo-automodel==0.7.0
+"$PYTHON" -m pip install transformers==5.18.0 safetensors
