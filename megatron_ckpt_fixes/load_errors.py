@@ -7,7 +7,8 @@ key is missing raises and the others carry on with a partial load. The patched
 every rank raises the same :class:`CheckpointLoadError`, one line per failing rank naming
 the cause (which names the key). A checkpoint that a newer megatron-core wrote, in a format
 this one cannot read, is one line instead, the same on every rank: what happened and what is
-missing (:mod:`.newer_checkpoint`).
+missing (:mod:`.newer_checkpoint`); so is ``load_common_state_dict`` on such a checkpoint,
+which training flows call first.
 
 The raised error keeps the class upstream raised: it is built as a subclass of both
 :class:`CheckpointLoadError` and the class the (lowest) failing rank saw, so
@@ -27,6 +28,7 @@ from torch.distributed.checkpoint import CheckpointException
 from ._patching import Patch
 from .agreement import agree, rank_and_size
 from .errors import MegatronCkptFixesError
+from .messages import shorten
 from .newer_checkpoint import PREFIX as NEWER_WRITER
 from .newer_checkpoint import newer_writer_reason
 
@@ -39,7 +41,7 @@ _HINTS = {
 
 
 def _cause(exc: BaseException) -> str:
-    text = f"{type(exc).__name__}: {exc}".strip()
+    text = shorten(f"{type(exc).__name__}: {exc}".strip())
     hints = [hint for pattern, hint in _HINTS.items() if pattern in text]
     return text + (f" ({hints[0]})" if hints else "")
 
@@ -151,13 +153,37 @@ def clear_load_errors(original: Callable[..., Any]) -> Callable[..., Any]:
     return load
 
 
+def clear_newer_writer(original: Callable[..., Any]) -> Callable[..., Any]:
+    """``load_common_state_dict`` (what a training flow reads first: the iteration, the
+    arguments) names a checkpoint a newer megatron-core wrote, as ``load`` does. Rank-local
+    like the original: the reason comes from the files, the same on every rank."""
+
+    @functools.wraps(original)
+    def load_common_state_dict(checkpoint_dir: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return original(checkpoint_dir, *args, **kwargs)
+        except Exception as exc:
+            newer = newer_writer_reason(checkpoint_dir)
+            if newer is None:
+                raise
+            rank = rank_and_size()[0]
+            raise load_error_type(type(exc))(checkpoint_dir, {rank: newer},
+                                             {rank: (exc, None)}) from exc
+
+    return load_common_state_dict
+
+
+def _entry_point(attr: str, build: Callable[[Any], Any], why: str) -> Patch:
+    """A patch of one of ``dist_checkpointing``'s entry points (re-exported by the package)."""
+    return Patch(name=f"load_errors.{attr}",
+                 target="megatron.core.dist_checkpointing.serialization", attr=attr,
+                 build=build, aliases=("megatron.core.dist_checkpointing",), why=why)
+
+
 PATCHES: tuple[Patch, ...] = (
-    Patch(
-        name="load_errors.load",
-        target="megatron.core.dist_checkpointing.serialization",
-        attr="load",
-        build=clear_load_errors,
-        aliases=("megatron.core.dist_checkpointing",),
-        why="a failed load names the key, the rank and the cause, the same on every rank",
-    ),
+    _entry_point("load", clear_load_errors,
+                 "a failed load names the key, the rank and the cause, the same on every rank"),
+    _entry_point("load_common_state_dict", clear_newer_writer,
+                 "reading the common state of a checkpoint a newer megatron-core wrote says so "
+                 "in one line (the training flow reads it before the load)"),
 )

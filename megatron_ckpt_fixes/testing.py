@@ -1,5 +1,7 @@
 """Run a function on N real processes with a gloo process group (tests, benchmarks, demos).
 
+The backend can be switched for a GPU machine (:data:`BACKEND_ENV`, scripts/gpu_check.sh).
+
 Every rank reports back a value or its error. A rank that never reports within the deadline
 is a hang: all processes are killed and the hang is reported, so a test of "never hangs"
 fails instead of blocking CI.
@@ -58,13 +60,26 @@ class RanksFailed(AssertionError):
         super().__init__("\n".join(lines))
 
 
+#: The process-group backend of the ranks: gloo unless this variable names another torch
+#: backend spec (scripts/gpu_check.sh: ``cpu:gloo,cuda:nccl``, each rank on its own GPU).
+BACKEND_ENV = "MCF_TEST_BACKEND"
+
+
+def init_test_group(rank: int, world_size: int, init_method: str,
+                    timeout: datetime.timedelta) -> None:
+    """The process group of one test rank, on the backend :data:`BACKEND_ENV` names."""
+    backend = os.environ.get(BACKEND_ENV, "gloo")
+    if "nccl" in backend:
+        torch.cuda.set_device(rank % torch.cuda.device_count())
+    dist.init_process_group(backend, init_method=init_method, rank=rank,
+                            world_size=world_size, timeout=timeout)
+
+
 def _worker(rank: int, world_size: int, init_method: str, fn: Callable, args: tuple,
             collective_timeout_s: float, results: Any) -> None:
     torch.set_num_threads(1)
-    dist.init_process_group(
-        "gloo", init_method=init_method, rank=rank, world_size=world_size,
-        timeout=datetime.timedelta(seconds=collective_timeout_s),
-    )
+    init_test_group(rank, world_size, init_method,
+                    datetime.timedelta(seconds=collective_timeout_s))
     try:
         value = fn(rank, world_size, *args)
         results.put(RankResult(rank, value))

@@ -5,8 +5,11 @@
     megatron-ckpt-fixes verify --dcp DIR     # the same for a plain torch DCP checkpoint
     megatron-ckpt-fixes run [--features F,...] -- SCRIPT ARGS...   # the fixes, no code change
 
-``verify`` checks everything a load needs from the files alone (see :mod:`.checks`); a
-directory it cannot check at all gets one line on stderr and exit code 1.
+CKPT_DIR may be a checkpoint (``ckpt/iter_0000008``) or the save directory that training's
+``--save`` names (``ckpt``): then the checkpoint its ``latest_checkpointed_iteration.txt``
+names is used, and the first line says so. ``verify`` checks everything a load needs from the
+files alone (see :mod:`.checks`); a directory it cannot check at all gets one line on stderr
+and exit code 1. torch is imported only by the command that needs it (``--help`` does not).
 """
 
 from __future__ import annotations
@@ -14,25 +17,55 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import Any
 
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
-
-from .checks import Unverifiable, read_metadata, verify
+from .locate import Located, Unverifiable, locate
 
 __all__ = ["main", "verify"]
 
 
-def _inspect(metadata: Metadata) -> None:
-    for key, md in sorted(metadata.state_dict_metadata.items()):
-        if isinstance(md, TensorStorageMetadata):
-            print(f"{key}  tensor {tuple(md.size)} {md.properties.dtype}  "
-                  f"{len(md.chunks)} chunk(s)")
-        else:
-            print(f"{key}  object")
+def verify(checkpoint_dir: str, megatron: bool = True) -> Any:
+    """:func:`.checks.verify` (imported on use: it needs torch)."""
+    from .checks import verify as check_all
+
+    return check_all(checkpoint_dir, megatron=megatron)
 
 
-def _verify(checkpoint_dir: str, megatron: bool) -> int:
-    report = verify(checkpoint_dir, megatron=megatron)
+def _size(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError("not reached")
+
+
+def _inspect(found: Located) -> None:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from .checks import read_metadata
+
+    metadata = read_metadata(found.checkpoint_dir)
+    entries = sorted(metadata.state_dict_metadata.items())
+    tensors = [md for _, md in entries if isinstance(md, TensorStorageMetadata)]
+    files = {info.relative_path: info for info in (metadata.storage_data or {}).values()}
+    print(f"{found.checkpoint_dir}: torch_dist checkpoint, {len(entries)} keys")
+    rows = [(key, "tensor", str(tuple(md.size)), str(md.properties.dtype).removeprefix("torch."),
+             str(len(md.chunks)))
+            if isinstance(md, TensorStorageMetadata) else (key, "object", "", "", "")
+            for key, md in entries]
+    header = ("key", "kind", "shape", "dtype", "chunks")
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(4)]
+    for row in [header, *rows]:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[4])
+    elements = sum(md.size.numel() for md in tensors)
+    stored = sum(info.length for info in (metadata.storage_data or {}).values())
+    print(f"total: {len(entries)} keys: {len(tensors)} tensors ({elements:,} elements in "
+          f"{sum(len(md.chunks) for md in tensors)} chunks), {len(entries) - len(tensors)} "
+          f"objects; {_size(stored)} stored in {len(files)} data file(s)")
+
+
+def _verify(found: Located, megatron: bool) -> int:
+    report = verify(found.checkpoint_dir, megatron=megatron)
     for problem in report.problems:
         print(f"PROBLEM {problem}")
     if report.checksums is not None:
@@ -45,7 +78,7 @@ def _verify(checkpoint_dir: str, megatron: bool) -> int:
                                  " its bytes were not checked"))
     kind = "megatron-core torch_dist" if megatron else "torch DCP"
     verdict = "OK" if not report.problems else f"{len(report.problems)} problem(s)"
-    print(f"{checkpoint_dir}: {kind} checkpoint, {report.keys} keys, {verdict}")
+    print(f"{found.checkpoint_dir}: {kind} checkpoint, {report.keys} keys, {verdict}")
     return 1 if report.problems else 0
 
 
@@ -59,10 +92,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="megatron-ckpt-fixes",
                                      description=__doc__.splitlines()[0])
     commands = parser.add_subparsers(dest="command", required=True)
-    inspect = commands.add_parser("inspect", help="list the keys of a checkpoint")
-    inspect.add_argument("checkpoint_dir")
+    where = ("a checkpoint (ckpt/iter_0000008) or a save directory (ckpt: the checkpoint its "
+             "latest_checkpointed_iteration.txt names)")
+    inspect = commands.add_parser("inspect", help="list the keys of a checkpoint, with totals")
+    inspect.add_argument("checkpoint_dir", help=where)
     check = commands.add_parser("verify", help="check everything a load needs (exit 1 if not)")
-    check.add_argument("checkpoint_dir")
+    check.add_argument("checkpoint_dir", help=where)
     check.add_argument("--dcp", action="store_true",
                        help="a plain torch DCP checkpoint: skip megatron-core's metadata.json "
                             "and common state")
@@ -70,10 +105,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                                     "run [--features F,...] -- SCRIPT ARGS")
     args = parser.parse_args(argv)
     try:
+        found = locate(args.checkpoint_dir)
+        if found.note:
+            print(found.note, flush=True)
         if args.command == "inspect":
-            _inspect(read_metadata(args.checkpoint_dir))
+            _inspect(found)
             return 0
-        return _verify(args.checkpoint_dir, megatron=not args.dcp)
+        return _verify(found, megatron=not args.dcp)
     except Unverifiable as exc:
         print(f"megatron-ckpt-fixes {args.command}: {exc}", file=sys.stderr)
         return 1

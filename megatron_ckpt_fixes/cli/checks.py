@@ -52,6 +52,8 @@ from ..checksums.record import (
     record_status,
 )
 from ..compat.detect import quiet
+from ..newer_checkpoint import newer_writer_reason
+from .locate import Unverifiable
 
 
 #: Upstream causes can be pages long (torch.load's weights-only advice): one line is enough.
@@ -67,10 +69,6 @@ class Problem:
 
     def __str__(self) -> str:
         return f"{self.where}: {self.cause}"
-
-
-class Unverifiable(Exception):
-    """The directory cannot be checked at all (one line says why)."""
 
 
 @dataclass
@@ -185,6 +183,9 @@ def megatron_problems(checkpoint_dir: str) -> list[Problem]:
         except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException included
             if isinstance(exc, (KeyboardInterrupt, SystemExit)):
                 raise
+            newer = newer_writer_reason(checkpoint_dir)
+            if newer is not None:
+                return [Problem("common state", newer)]
             cause = " ".join(f"{type(exc).__name__}: {exc}".split())
             if len(cause) > MAX_CAUSE:
                 cause = cause[:MAX_CAUSE - 3] + "..."

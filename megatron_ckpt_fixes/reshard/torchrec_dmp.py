@@ -34,8 +34,13 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.sharded_tensor import ShardedTensor
 from torch.distributed.checkpoint import DefaultLoadPlanner
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
-from torchrec.distributed.mc_embedding_modules import BaseShardedManagedCollisionEmbeddingCollection
-from torchrec.modules.mc_modules import MCHManagedCollisionModule
+
+from ..compat.torchrec import import_torchrec
+
+import_torchrec()  # a mismatched FBGEMM: one error naming both versions, not a linker error
+
+from torchrec.distributed.mc_embedding_modules import BaseShardedManagedCollisionEmbeddingCollection  # noqa: E402
+from torchrec.modules.mc_modules import MCHManagedCollisionModule  # noqa: E402
 
 from .checkpoint import Column, LocalTable, load_table
 from .errors import ReshardError, require_same

@@ -15,6 +15,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import NoReturn
 
+from . import layout
+
 
 class _Parser(argparse.ArgumentParser):
     """argparse, but a bad flag is one line on rank 0 (the other ranks exit quietly)."""
@@ -135,6 +137,19 @@ def layout_problem(args: argparse.Namespace, world_size: int) -> str | None:
     return None
 
 
+def load_problem(load: Path | None) -> str | None:
+    """Why ``--load`` cannot be what the user meant, or None: it takes the save directory
+    (the one ``--save`` wrote, holding the tracker), not one checkpoint inside it. Megatron-LM
+    starts from scratch there (no tracker); a user who named the checkpoint wanted it."""
+    if load is None or not load.is_dir():
+        return None
+    if (load / ".metadata").exists() or load.name.startswith("iter_"):
+        return (f"--load {load} is one checkpoint; --load takes the save directory that holds "
+                f"it: --load {load.parent} resumes from the iteration its "
+                f"{layout.TRACKER_FILENAME} names")
+    return None
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     """Parse and check the flags against the launcher's ``WORLD_SIZE``; a problem exits 2
     with one line, before megatron-core is imported."""
@@ -142,6 +157,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.async_save and args.save is None:
         parser.error("--async-save needs --save")
+    problem = load_problem(args.load)
+    if problem:
+        parser.error(problem)
     problem = layout_problem(args, int(os.environ.get("WORLD_SIZE", "1")))
     if problem:
         parser.error(problem)

@@ -123,8 +123,9 @@ class Checkpointer:
     # -- save ---------------------------------------------------------------------------
 
     def save(self, state: TrainState, model: Any, optimizer: MegatronOptimizer,
-             machine: RerunStateMachine, data_iterator: Any) -> None:
-        """Save iteration ``state.iteration``; returns once scheduled (async) or committed."""
+             machine: RerunStateMachine, data_iterator: Any, fault: bool = False) -> None:
+        """Save iteration ``state.iteration``; returns once scheduled (async) or committed.
+        ``fault``: the rerun state machine asked for it (its log line says so)."""
         root = self.options.save
         assert root is not None, "save() needs --save"
         self.finalize(blocking=True)  # one save in flight at a time
@@ -140,7 +141,7 @@ class Checkpointer:
         request = dist_checkpointing.save(sharded, str(staging), strategy,
                                           validate_access_integrity=validate,
                                           async_sharded_save=True, **kwargs)
-        request.add_finalize_fn(functools.partial(self._commit, root, iteration))
+        request.add_finalize_fn(functools.partial(self._commit, root, iteration, fault))
         self._execute(request, what)
 
     def _state_to_save(self, state: TrainState, model: Any, optimizer: MegatronOptimizer,
@@ -167,7 +168,7 @@ class Checkpointer:
             request.execute_sync()
 
     @staticmethod
-    def _commit(root: Path, iteration: int) -> None:
+    def _commit(root: Path, iteration: int, fault: bool) -> None:
         # Every rank reaching this point has finalized its part; the collective proves that
         # all of them did before the tracker may name the checkpoint.
         check(None, f"finalizing the checkpoint of iteration {iteration}",
@@ -175,7 +176,9 @@ class Checkpointer:
         error = None
         if dist.get_rank() == 0:
             try:
-                logger.info("saved checkpoint %s", layout.publish(root, iteration))
+                replaces = layout.iteration_dir(root, iteration).exists()
+                logger.info("%s", saved_line(layout.publish(root, iteration), iteration,
+                                             fault, replaces))
             except OSError as exc:
                 error = describe_error(exc)
         check(error, f"publishing the checkpoint of iteration {iteration} in {root}",
@@ -205,7 +208,11 @@ class Checkpointer:
         what = f"reading the checkpoint to resume from in {root}"
         found = run(functools.partial(_locate, root), what, raise_as=CheckpointReadError)
         if found is None:
-            logger.info("no checkpoint in %s: starting from scratch", root)
+            if dist.get_rank() == 0:
+                if root.exists():
+                    logger.info("no checkpoint in %s: starting from scratch", root)
+                else:
+                    logger.warning("--load %s does not exist: starting from scratch", root)
             return None
         ckpt, common = found
         if self.options.verify_checksums:
@@ -259,6 +266,19 @@ class Checkpointer:
             logger.info("loaded %s (iteration %d, saved with TP=%d)", ckpt,
                         loaded["iteration"], loaded["tensor_model_parallel_size"])
         return TrainState(loaded["iteration"], loaded["consumed_batches"])
+
+
+def saved_line(path: Path, iteration: int, fault: bool, replaces: bool) -> str:
+    """What a committed save logs. A fault checkpoint is taken before the step's update, at
+    an iteration that may have its checkpoint already: it replaces that one."""
+    what = "the fault checkpoint" if fault else "checkpoint"
+    line = f"saved {what} {path}"
+    if replaces:
+        line += f": it replaces the checkpoint saved at iteration {iteration} before"
+    if fault:
+        line += (f" (the rerun state machine saves before step {iteration + 1}'s update; the "
+                 "relaunched job reruns that step from it)")
+    return line
 
 
 def _locate(root: Path) -> tuple[str, dict[str, Any]] | None:

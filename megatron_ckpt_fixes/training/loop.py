@@ -12,7 +12,9 @@ Between steps: save every ``--save-interval`` iterations, save and exit 0 at
 A job that cannot go on (an unreadable checkpoint, a failed save, flags it cannot run with)
 ends with exit code 1 and one line per cause: an error every rank raised identically (agreed
 by the package) is printed once for the job, by rank 0; any other error by each rank that
-raised it. The traceback is printed only with ``--verbose`` (or logging at DEBUG). Bad
+raised it; a line that would be longer than a screen lists the first keys and a count
+(:mod:`megatron_ckpt_fixes.messages`). The traceback is printed only with ``--verbose`` (or
+logging at DEBUG). Bad
 flags end earlier, in :mod:`.args` (exit code 2).
 """
 
@@ -40,6 +42,7 @@ from ..checksums.load import ChecksumError
 from ..compat.device import backend_uses_cuda
 from ..errors import MegatronCkptFixesError, UnsupportedVersionError
 from ..load_errors import CheckpointLoadError
+from ..messages import shorten
 from ..structure.integrity import ShardingValidationError
 from . import rerun, rng
 from .args import parse_args
@@ -152,7 +155,7 @@ def train_step(job: Job) -> tuple[float | None, int | None]:
             logger.error("the rerun state machine asks for a checkpoint but there is no --save: "
                          "a relaunch cannot rerun this step")
         else:
-            _save(job)
+            _save(job, fault=True)
     if should_exit:
         return reported, exit_code
     job.optimizer.step()
@@ -175,8 +178,8 @@ def _log_step(job: Job, iteration: int, loss: float | None, exit_code: int | Non
             f.write(json.dumps(record) + "\n")
 
 
-def _save(job: Job) -> int:
-    job.checkpointer.save(job.state, job.model, job.optimizer, job.machine, job.data)
+def _save(job: Job, fault: bool = False) -> int:
+    job.checkpointer.save(job.state, job.model, job.optimizer, job.machine, job.data, fault)
     return job.state.iteration
 
 
@@ -222,9 +225,11 @@ def report_error(exc: BaseException, verbose: bool) -> None:
         traceback.print_exception(exc)
     if isinstance(exc, SAME_ON_EVERY_RANK):
         if rank == "0":
-            print(f"train.py: error: {describe_error(exc)}", file=sys.stderr, flush=True)
+            print(f"train.py: error: {shorten(describe_error(exc))}", file=sys.stderr,
+                  flush=True)
     else:
-        print(f"train.py: error on rank {rank}: {describe_error(exc)}", file=sys.stderr, flush=True)
+        print(f"train.py: error on rank {rank}: {shorten(describe_error(exc))}", file=sys.stderr,
+              flush=True)
 
 
 def run_job(job: Job) -> int:

@@ -155,4 +155,7 @@ def test_upstream_fully_parallel_load_exchange_needs_cuda(upstream):
     if torch.cuda.is_available():
         pytest.skip("this machine has CUDA: the exchange's .cuda() calls would succeed")
     errors = [per_rank["fully_parallel_load"] for per_rank in upstream]
-    assert all(e is not None and "CUDA" in e[1] for e in errors), errors
+    # A CPU build of torch says "Torch not compiled with CUDA enabled"; a CUDA build on a
+    # machine without a GPU (torch 2.14.1 from the package index) "Found no NVIDIA driver".
+    assert all(e is not None and ("CUDA" in e[1] or "NVIDIA driver" in e[1])
+               for e in errors), errors

@@ -96,3 +96,59 @@ def test_a_checkpoint_from_a_newer_release_is_one_clear_line_on_every_rank():
     assert "'common_state' object inside the torch_dist checkpoint" in ckpt_line
     assert "there is no common.pt" in ckpt_line
     assert all("AttributeError" in f["classes"] for f in fixed), fixed
+
+
+def test_a_training_job_resuming_from_a_checkpoint_of_megatron_core_0_19(tmp_path, beside):
+    """The training flow reads the common state first (``load_common_state_dict``: the
+    iteration, the world size), before any load. A checkpoint that megatron-core 0.19.2's own
+    save wrote through ``scripts/train.py`` (0.19.2 installed beside this environment), resumed
+    with the installed release: a release that reads it resumes; one that cannot (0.16.1) ends
+    with one line naming the checkpoint and the newer writer on every rank, where upstream's
+    every rank ends with ``AttributeError: 'str' object has no attribute 'iterdir'``."""
+    from training_runs import RANK_ENV, run_job
+
+    from megatron_ckpt_fixes.training import layout
+
+    ckpt = tmp_path / "ckpt"
+    job = ["--seed", "1237", "--tensor-model-parallel-size", "2"]
+    newer = beside("megatron-core==0.19.2")["PYTHONPATH"]
+    written = run_job(tmp_path, [*job, "--train-iters", "2", "--save", str(ckpt)],
+                      env={"PYTHONPATH": os.pathsep.join([newer, str(RANK_ENV)])},
+                      name="written-by-0.19.2")
+    assert written.exit_codes == [0], written.output[-6000:]
+    iteration = layout.iteration_dir(ckpt, 2)
+    assert not (iteration / "common.pt").exists()  # 0.19's layout: common state inside
+
+    resume = [*job, "--train-iters", "3", "--load", str(ckpt)]
+    upstream = run_job(tmp_path, [*resume, "--upstream-only"], name="upstream")
+    fixed = run_job(tmp_path, resume, name="fixed")
+    if upstream.exit_codes == [0]:  # this release reads the common_state object itself
+        assert fixed.exit_codes == [0], fixed.output[-6000:]
+        assert list(fixed.losses()) == list(upstream.losses()) == [3]
+        assert fixed.losses() == upstream.losses()
+        return
+    assert upstream.exit_codes == [1], upstream.output[-6000:]
+    for rank in (0, 1):
+        assert f"  rank {rank}: AttributeError: 'str' object has no attribute 'iterdir'\n" \
+            in upstream.output, upstream.output[-6000:]
+    assert fixed.exit_codes == [1], fixed.output[-6000:]
+    errors = [line for line in fixed.output.splitlines() if line.startswith("train.py: error")]
+    assert errors == [f"train.py: error: reading the checkpoint to resume from in {ckpt} "
+                      "failed on 2 rank(s):"], fixed.output[-6000:]
+    cause = (f"cannot load checkpoint {iteration}: written by a newer "
+             "megatron-core: its common state is the 'common_state' object inside the "
+             "torch_dist checkpoint and there is no common.pt")
+    for rank in (0, 1):
+        assert f"  rank {rank}: {cause}" in fixed.output, fixed.output[-6000:]
+    assert "Traceback" not in fixed.output
+
+
+def test_the_probe_agrees_with_what_this_release_writes():
+    """The newer-writer line asks the release itself (a tiny checkpoint of the newer layout):
+    a release whose save writes the ``common_state`` object reads one; 0.16.1 does not."""
+    from megatron.core import dist_checkpointing
+
+    from megatron_ckpt_fixes.newer_checkpoint import reads_common_object
+
+    assert reads_common_object(dist_checkpointing.load_common_state_dict) \
+        == _writes_common_object()

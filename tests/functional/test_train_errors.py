@@ -75,6 +75,25 @@ def test_checkpoint_without_metadata(saved, tmp_path):
     _assert_one_clear_error(job, str(iteration), "rank 0: ", "rank 1: ", ".metadata")
 
 
+def test_load_given_one_checkpoint_names_the_save_directory(saved, tmp_path):
+    """``--load ckpt/iter_0000008`` (what ``ls`` shows): upstream Megatron-LM finds no tracker
+    there and trains from scratch; here the flag is refused naming the parent."""
+    ckpt, iteration = _broken_copy(saved, tmp_path, "given-iter")
+    job = run_job(tmp_path, [*JOB, "--train-iters", "9", "--load", str(iteration)])
+    _assert_one_clear_error(job, f"--load {iteration} is one checkpoint; --load takes the save "
+                                 f"directory that holds it: --load {ckpt} resumes from the "
+                                 "iteration its latest_checkpointed_iteration.txt names", code=2)
+
+
+def test_a_load_path_that_does_not_exist_is_one_warning(tmp_path):
+    missing = tmp_path / "no-such-ckpt"
+    job = run_job(tmp_path, [*JOB, "--train-iters", "1", "--load", str(missing)])
+    assert job.exit_codes == [0], job.output[-6000:]
+    warned = [line for line in job.output.splitlines() if str(missing) in line]
+    assert warned == [f"[rank0] WARNING megatron_ckpt_fixes.training.checkpointing: --load "
+                      f"{missing} does not exist: starting from scratch"], job.output[-6000:]
+
+
 def _tmpfs_wrap(mountpoint) -> tuple[str, ...]:
     """Run the job in a private mount namespace where ``mountpoint`` is a 1.1 MB tmpfs
     (room for one checkpoint of this job, not two); copy it out when the job ends."""

@@ -50,6 +50,11 @@ def test_fault_checkpoint_resume_rerun_and_continue(tmp_path, tmp_path_factory):
                         (FAULT_STEP, "RERUNNING_FROM_CHECKPOINT", 17)]
     assert "Possible persistent error" in job.output
     assert "starting at iteration 4 (rerun state WILL_RERUN_FROM_CHECKPOINT)" in job.output
+    # The fault checkpoint replaces iteration 4's regular one, and the output says so.
+    assert job.output.count(f"saved checkpoint {layout.iteration_dir(ckpt, 4)}\n") == 1
+    assert (f"saved the fault checkpoint {layout.iteration_dir(ckpt, 4)}: it replaces the "
+            "checkpoint saved at iteration 4 before (the rerun state machine saves before step "
+            "5's update; the relaunched job reruns that step from it)") in job.output
     # Steps before the fault, the in-place rerun and the rerun from the checkpoint all
     # reproduce the uninterrupted run bitwise.
     assert job.losses() == {i: ref_losses[i] for i in range(1, FAULT_STEP)}

@@ -111,7 +111,60 @@ def test_a_complete_checkpoint_verifies(ckpt, capsys):
     assert f"checksums: {items} of {items} item(s) match their xxh3_64 checksums" in lines
     assert lines[-1].endswith("OK")
     assert main(["inspect", str(ckpt)]) == 0
-    assert "w  tensor (3, 4) torch.float32  1 chunk(s)" in capsys.readouterr().out
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"{ckpt}: torch_dist checkpoint, {len(read_metadata(ckpt).state_dict_metadata)} keys"
+    assert out[1].split() == ["key", "kind", "shape", "dtype", "chunks"]
+    assert ["w", "tensor", "(3,", "4)", "float32", "1"] in [line.split() for line in out]
+    assert ["obj/shard_0_1", "object"] in [line.split() for line in out]
+    assert out[-1].startswith("total: ") and " tensors (" in out[-1] and "elements in" in out[-1]
+    assert "stored in" in out[-1] and "data file(s)" in out[-1]
+
+
+def _save_dir(ckpt, tmp_path, iterations=(3, 6), tracker: int | None = 6):
+    """A training job's --save directory: iter_* copies of ``ckpt`` and its tracker."""
+    root = tmp_path / "save"
+    for i in iterations:
+        shutil.copytree(ckpt, root / f"iter_{i:07d}")
+    if tracker is not None:
+        (root / "latest_checkpointed_iteration.txt").write_text(f"{tracker}\n")
+    return root
+
+
+@pytest.mark.parametrize("command", ["verify", "inspect"])
+def test_a_save_directory_means_the_checkpoint_its_tracker_names(ckpt, tmp_path, capsys, command):
+    root = _save_dir(ckpt, tmp_path)
+    shutil.rmtree(root / "iter_0000003" / "common.pt", ignore_errors=True)
+    (root / "iter_0000003" / ".metadata").unlink()  # not the one the tracker names
+    assert main([command, str(root)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == (f"{root} is a save directory: using iteration 6 ({root / 'iter_0000006'}),"
+                      " the one its latest_checkpointed_iteration.txt names")
+    assert str(root / "iter_0000006") in out[-1 if command == "verify" else 1]
+
+
+def test_a_save_directory_without_tracker_names_its_checkpoints(ckpt, tmp_path, capsys):
+    root = _save_dir(ckpt, tmp_path, iterations=(1, 2, 3, 4, 5), tracker=None)
+    assert main(["verify", str(root)]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err == (
+        f"megatron-ckpt-fixes verify: {root}: no .metadata file: a save directory without "
+        "latest_checkpointed_iteration.txt; name one of its checkpoints: iter_0000001, "
+        "iter_0000002, iter_0000003 and 2 more\n")
+
+
+def test_help_does_not_import_torch():
+    """``--help`` answers at once: torch (seconds to import) is imported by the commands only."""
+    import subprocess
+    import sys
+
+    code = ("import sys\nfrom megatron_ckpt_fixes.cli import main\ntry:\n    main(['--help'])\n"
+            "except SystemExit:\n    pass\nprint(sorted(m for m in sys.modules if m == 'torch' "
+            "or m.startswith('torch.')))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=60)
+    assert done.returncode == 0, done.stderr
+    assert "usage: megatron-ckpt-fixes" in done.stdout
+    assert done.stdout.strip().splitlines()[-1] == "[]"
 
 
 @pytest.mark.parametrize("damage, says", [

@@ -1,0 +1,12 @@
+#!/usr/bin/env bash
+# Everything the test suite needs beyond `pip install -e ".[test]"`, for the systems that no
+# pip extra can express: TorchRec on CPU (the torchrec / fbgemm-gpu-cpu pair for the installed
+# torch), TorchEasyRec's test dependencies (tzrec itself comes from its snapshot), NeMo
+# Automodel 0.7.0 and what MLite's checkpoint module imports (MLite from its snapshot). Each
+# step is its own script, idempotent, and says what it does; none touches torch or numpy.
+# Installs into the environment of `python` on PATH (PYTHON=/path/to/python to choose).
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+bash "$here/install_torchrec_cpu.sh"
+bash "$here/install_tzrec_test_deps.sh"
+bash "$here/install_nemo_automodel.sh"

@@ -1,0 +1,25 @@
+"""Error lines stay within a screen: long key lists keep their first items and a count."""
+
+from __future__ import annotations
+
+from megatron_ckpt_fixes.messages import LIMIT, shorten, shorten_line
+
+KEYS = [f"decoder.layers.{i}.mlp.linear_fc1.weight" for i in range(200)]
+
+
+def test_a_long_key_list_keeps_its_first_keys_and_a_count():
+    line = f'KeyError: "optimizer.state.exp_avg.embedding.weight from model not in state dict: {KEYS}"'
+    assert len(line) > 7000
+    short = shorten_line(line)
+    assert short == ('KeyError: "optimizer.state.exp_avg.embedding.weight from model not in state '
+                     "dict: ['decoder.layers.0.mlp.linear_fc1.weight', "
+                     "'decoder.layers.1.mlp.linear_fc1.weight', "
+                     "'decoder.layers.2.mlp.linear_fc1.weight', ... 197 more (200 in all)]\"")
+    assert shorten_line(f"unexpected keys {set(KEYS[:3])}") == f"unexpected keys {set(KEYS[:3])}"
+
+
+def test_whatever_is_still_too_long_is_cut_with_a_count():
+    line = "x" * 5000
+    short = shorten_line(line)
+    assert len(short) == LIMIT and short.endswith(f" ... [{5000 - LIMIT} more characters]")
+    assert shorten(f"first\n{line}\nlast").splitlines()[::2] == ["first", "last"]
