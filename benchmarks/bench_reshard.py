@@ -1,7 +1,9 @@
 """Benchmark: value-aware ZCH reshard against a plain DCP load of the same bytes, N -> M ranks.
 
-The claim: loading a managed-collision table at another world size by value costs about
-what moving its bytes costs. Two tables:
+The claims (issue 24): loading a managed-collision table at another world size by value
+costs at most 1.5x a plain DCP load of it, and its extra memory follows the local shard
+(each rank reads only the rows it serves, by byte range, never a whole saved chunk). Two
+tables:
 
 * default: a generic key -> slot table (``--ids`` 10 M ids in ``--slots`` 12 M slots,
   ``--dim`` 8, one optimizer row per slot) loaded with ``reshard.load_table``;
@@ -18,9 +20,17 @@ of: a plain DCP load (positional: what DCP alone reads), the floor (this rank's 
 through ``all_to_all_single`` on the same gloo group, in 64 MiB pieces) and the reshard,
 the two loads alternating in order. Each timed step runs between two barriers: its wall
 time is the slowest rank's. Also printed: CPU seconds of all ranks, peak RSS growth per rank
-(sampled every 2 ms; the destination tensors exist before) against the bytes of the rank's
-local shard (every buffer and row tensor of the table), and the share of the checkpoint in
-the page cache before each timed load (``fincore``); garbage is collected before each step.
+(sampled every 2 ms; the destination tensors exist before; mapped pages of the checkpoint
+count, as RSS counts them) against the bytes of the rank's local shard (every buffer and
+row tensor of the table) and of the whole table, and the share of the checkpoint in the
+page cache before each timed load (``fincore``); garbage is collected before each step.
+When two directions load the same saved world size at two world sizes (``3:2,3:4``), a line
+compares their extra peaks (the memory target: at 4 ranks at most 0.6x the one at 2).
+RSS growth undercounts memory that the heap still held from an earlier step (glibc keeps
+freed blocks resident and its mmap threshold grows), so it depends on what ran before;
+``--fresh-memory`` fixes glibc's threshold at 128 KiB in the ranks (``MALLOC_MMAP_THRESHOLD_``):
+every large allocation then maps fresh pages and unmaps them when freed, and +peak counts
+every byte alive at the peak (timings then include every first touch, for both loads).
 Cells are the median over the rounds and the range. After the first reshard each rank checks sampled ids it serves now: their
 rows and optimizer rows bitwise the saved ones (the tests check every id).
 
@@ -353,8 +363,9 @@ def _cell(values: Sequence[float], fmt: str) -> str:
     return f"{med:{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
 
 
-def summarize(name: str, direction: str, per_rank: list[dict]) -> tuple[str, list[str]]:
-    """One table row (median and range over the rounds) and the notes for a direction."""
+def summarize(name: str, direction: str, per_rank: list[dict]) -> tuple[str, list[str], float]:
+    """One table row (median and range over the rounds), the notes for a direction, and the
+    median extra peak of the reshard in bytes (the largest rank's)."""
     rounds = len(per_rank[0]["rounds"])
 
     def over(step: str, key: str, agg: Callable[[list[float]], float]) -> list[float]:
@@ -364,23 +375,39 @@ def summarize(name: str, direction: str, per_rank: list[dict]) -> tuple[str, lis
     shard = max(r["shard"] for r in per_rank)
     peak = [max(r["rounds"][i]["results"]["reshard"]["peak"] / r["shard"] for r in per_rank)
             for i in range(rounds)]
+    peak_bytes = [max(r["rounds"][i]["results"]["reshard"]["peak"] for r in per_rank) for i in range(rounds)]
+    table = sum(r["shard"] for r in per_rank)
     plain_peak = [max(r["rounds"][i]["results"]["plain"]["peak"] / r["shard"] for r in per_rank)
                   for i in range(rounds)]
     row = (f"| {name} | {direction} | {_cell(plain, '.2f')} | {_cell(ours, '.2f')} | "
            f"{_cell([o / p for o, p in zip(ours, plain)], '.2f')} | {_cell(floor, '.2f')} | "
            f"{_cell(over('plain', 'cpu', sum), '.2f')} → {_cell(over('reshard', 'cpu', sum), '.2f')} | "
            f"{_cell(over('plain', 'faults', sum), ',.0f')} → {_cell(over('reshard', 'faults', sum), ',.0f')} | "
-           f"{_cell(plain_peak, '.2f')} | {_cell(peak, '.2f')} | {shard / MIB:.0f} |")
+           f"{_cell(plain_peak, '.2f')} | {_cell(peak, '.2f')} | {_cell([p / MIB for p in peak_bytes], '.1f')} | "
+           f"{shard / MIB:.0f} | {table / MIB:.0f} |")
     resident = [v for r in per_rank[0]["rounds"] for v in r["resident"].values() if v is not None]
     cache = (f"{min(resident):.0%}-{max(resident):.0%} of the checkpoint in the page cache before the "
              f"timed loads" if resident else "page cache residency unknown (no fincore)")
     first = per_rank[0]
     notes = [f"{direction}: {rounds} rounds; {cache}; kept {first['kept']:,}, evicted {first['evicted']}; "
              f"sampled ids checked {sum(r['checked'] for r in per_rank):,}, rows or optimizer rows "
-             f"differing: {sum(r['wrong'] for r in per_rank)}"]
+             f"differing: {sum(r['wrong'] for r in per_rank)}; reshard +peak / whole table "
+             f"{_cell([p / table for p in peak_bytes], '.2f')}"]
     notes += [f"{direction} rank {rank} CPU profile of the first reshard:\n{r['profile']}"
               for rank, r in enumerate(per_rank) if r["profile"]]
-    return row, notes
+    return row, notes, statistics.median(peak_bytes)
+
+
+def peak_scaling(peaks: dict[tuple[int, int], float]) -> list[str]:
+    """The same table (saved at N) loaded at two world sizes: how the reshard's extra peak
+    per rank follows the local shard (ideal: the ratio of the world sizes)."""
+    out = []
+    for (saved, small), low in sorted(peaks.items()):
+        for (saved2, large), high in sorted(peaks.items()):
+            if saved2 == saved and large > small and low > 0:
+                out.append(f"+peak scaling, saved at {saved}: at {large} ranks {high / MIB:.1f} MiB / at {small} "
+                           f"ranks {low / MIB:.1f} MiB = {high / low:.2f} (the shard: {small / large:.2f})")
+    return out
 
 
 def main() -> None:
@@ -394,13 +421,17 @@ def main() -> None:
     ap.add_argument("--directions", default="4:3,3:4", help="saved:loaded world sizes, comma-separated")
     ap.add_argument("--repeats", type=int, default=3, help="timed rounds per direction")
     ap.add_argument("--profile", action="store_true", help="print each rank's CPU profile of the first reshard")
+    ap.add_argument("--fresh-memory", action="store_true",
+                    help="glibc's mmap threshold fixed at 128 KiB in the ranks: +peak counts every live byte")
     args = ap.parse_args()
+    if args.fresh_memory:  # read by glibc when each rank's process starts
+        os.environ["MALLOC_MMAP_THRESHOLD_"] = str(128 << 10)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     slots = args.slots or (3_000_000 if args.torchrec else 12_000_000)
     ids = args.ids or (int(0.8 * slots) if args.torchrec else 10_000_000)
     cfg = Config(args.torchrec, slots, ids, args.dim or (16 if args.torchrec else 8), args.hash_size)
     name = f"TorchRec, {slots / 1e6:g} M slots" if cfg.torchrec else f"generic, {ids / 1e6:g} M ids"
-    rows, notes = [], []
+    rows, notes, peaks = [], [], {}
     for direction in args.directions.split(","):
         saved, loaded = (int(w) for w in direction.split(":"))
         with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
@@ -408,7 +439,7 @@ def main() -> None:
             samples = [r.value for r in run_ranks(save_job, saved, ckpt, cfg, timeout_s=1800)]
             per_rank = [r.value for r in run_ranks(load_job, loaded, ckpt, cfg, samples, args.repeats,
                                                    args.profile, timeout_s=1800)]
-        row, more = summarize(name, f"{saved} → {loaded}", per_rank)
+        row, more, peaks[(saved, loaded)] = summarize(name, f"{saved} → {loaded}", per_rank)
         rows.append(row)
         notes += more
     what = (f"TorchRec MC-EC: {slots:,} slots, dim {cfg.dim}, {ids:,} ids, exact Adagrad; DMP row-wise "
@@ -416,12 +447,13 @@ def main() -> None:
             "(+1 optimizer row per slot)")
     logger.info("\n".join([
         f"{what}; torch {torch.__version__}, {os.cpu_count()} CPUs, load average "
-        f"{', '.join(f'{v:.1f}' for v in os.getloadavg())} at the end",
+        f"{', '.join(f'{v:.1f}' for v in os.getloadavg())} at the end"
+        f"{'; --fresh-memory' if args.fresh_memory else ''}",
         "cells: median (min-max) over the rounds; times: the slowest rank; +peak: the largest rank",
         "| table | direction | plain DCP load s | reshard s | time × DCP | all_to_all floor s | "
         "CPU s (all ranks) DCP → reshard | page faults (all ranks) DCP → reshard | DCP +peak / shard | "
-        "reshard +peak / shard | shard MiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|", *rows, *notes]))
+        "reshard +peak / shard | reshard +peak MiB | shard MiB | table MiB |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|", *rows, *peak_scaling(peaks), *notes]))
 
 
 if __name__ == "__main__":

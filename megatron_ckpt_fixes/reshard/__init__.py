@@ -9,20 +9,22 @@ id that was reachable before is reachable after, with bitwise-identical rows.
 
 Reading order: :mod:`.table` (data model, validation) -> :mod:`.ownership` (who serves an id)
 -> :mod:`.routing` (where a window's entries go) -> :mod:`.exchange` (all_to_all of entries)
--> :mod:`.saved_rows` (where rows are read) -> :mod:`.errors` (agreed failures) ->
+-> :mod:`.saved_rows` (where rows are read) -> :mod:`.records` (where a saved chunk's bytes
+lie in a DCP checkpoint) -> :mod:`.saved_chunks` (reading only the rows asked for) ->
+:mod:`.errors` (agreed failures) ->
 :mod:`.window` (what a rank reads and checks) -> :mod:`.resharder` (the algorithm) ->
 :mod:`.checkpoint` (one table through DCP) ->
 :mod:`.torchrec_dmp` (every managed-collision table of a TorchRec model; imports TorchRec,
 so it is not imported here).
 """
 
-from .checkpoint import (
-    CheckpointRows, Column, LocalTable, load_table, read_rows, saved_ranges, sharded_rows, table_state_dict,
-)
+from .checkpoint import Column, LocalTable, load_table, saved_ranges, sharded_rows, table_state_dict
 from .errors import ReshardError
 from .ownership import BlockOwnership, KeyOwnership, ModuloOwnership, RangeOwnership
 from .resharder import ReshardReport, ReshardResult, reshard
-from .saved_rows import SavedRows, TensorRows
+from .records import NotPlainRecord
+from .saved_chunks import CheckpointRows, read_rows
+from .saved_rows import SavedEntries, SavedRows, TensorRows
 from .table import MISS_ID, SlotRanges, TableShard
 from .window import ReshardSpec, SavedWindow, read_windows
 
@@ -34,11 +36,13 @@ __all__ = [
     "KeyOwnership",
     "LocalTable",
     "ModuloOwnership",
+    "NotPlainRecord",
     "RangeOwnership",
     "ReshardError",
     "ReshardReport",
     "ReshardResult",
     "ReshardSpec",
+    "SavedEntries",
     "SavedRows",
     "SavedWindow",
     "SlotRanges",

@@ -12,19 +12,20 @@ read from the chunks in DCP's ``.metadata``, never from file names.
 - same layout and every id already on the rank that serves it: read by position (the
   resumed state is bitwise the saved one, slots included);
 - anything else: :func:`~.resharder.reshard` moves every entry to the rank that serves its
-  id, and that rank reads the entry's rows from the checkpoint (:class:`CheckpointRows`).
+  id (with TorchRec's range routing, that rank reads its entries from the checkpoint
+  itself), and that rank reads the entry's rows from the checkpoint.
 
-Both ways read the ids, slots and metadata into scratch tensors and run every check, agreed
-by all ranks, before the first byte of the caller's tensors is written. Every read is a DCP
-load planned by one rank for its own ranges (:func:`read_rows`), so ranks read different
-ranges without a collective per read; their failures are agreed.
+Both ways read the saved ids and slots of whole saved ranks into scratch tensors and run
+every check, agreed by all ranks, before the first byte of the caller's tensors is written.
+Every read is rank-local and reads only the rows asked for, by byte range from the chunk's
+record (:class:`~.saved_chunks.CheckpointRows`), so ranks read different ranges without a
+collective per read; their failures are agreed.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,17 +35,14 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, init_from_local_shards
-from torch.distributed.checkpoint import DefaultLoadPlanner
-from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex
-from torch.distributed.checkpoint.planner import LoadPlan
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from .. import agreement
 from .errors import ReshardError, problem, problems_error, run_agreed
 from .exchange import carve
 from .ownership import BlockOwnership, KeyOwnership
 from .resharder import ReshardReport, reshard
-from .saved_rows import RowFormat
+from .saved_chunks import CheckpointRows, piece_bytes_for
+from .saved_rows import SavedEntries
 from .table import MISS_ID, SlotRanges, TableShard
 from .window import ReshardSpec, SavedWindow, read_windows, window_problems
 
@@ -126,103 +124,53 @@ def saved_ranges(metadata: Any, table: LocalTable) -> SlotRanges:
     return ranges
 
 
-class _RowRanges(DefaultLoadPlanner):
-    """DCP's load planner for saved rows ``[start, start + len(t))`` of each key into a plain
-    tensor ``t``: any range, on any rank, planned by this rank alone (DCP's resharding reads
-    the saved chunks that overlap it)."""
-
-    def __init__(self, starts: Mapping[str, int]) -> None:
-        super().__init__()
-        self._starts = starts
-
-    def create_local_plan(self) -> LoadPlan:
-        md = self.metadata.state_dict_metadata
-        items = []
-        for key, tensor in self.state_dict.items():
-            offsets = torch.Size([self._starts[key]] + [0] * (tensor.dim() - 1))
-            items += create_read_items_for_chunk_list(key, md[key], [ChunkStorageMetadata(offsets, tensor.shape)])
-        return LoadPlan(items)
-
-    def lookup_tensor(self, index: MetadataIndex) -> torch.Tensor:
-        # The default looks a non-zero offset up in a ShardedTensor; here it is a plain tensor.
-        return self.state_dict[index.fqn]
-
-
-def read_rows(checkpoint_id: str, columns: Mapping[str, tuple[int, torch.Tensor]]) -> None:
-    """Saved rows ``[start, start + len(t))`` of each key into ``t``, for ``key: (start, t)``.
-    One DCP load of this rank's alone: not collective, so ranks read different amounts."""
-    with warnings.catch_warnings():  # DCP warns that no_dist means "a single process": intended
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
-        dcp.load({k: t for k, (_, t) in columns.items()}, checkpoint_id=checkpoint_id,
-                 planner=_RowRanges({k: start for k, (start, _) in columns.items()}), no_dist=True)
-
-
-@dataclass(frozen=True)
-class CheckpointRows:
-    """The row columns of a DCP checkpoint, by key: :class:`~.saved_rows.SavedRows`."""
-
-    checkpoint_id: str
-    metadata: Any  # the checkpoint's DCP ``Metadata``
-
-    def row_format(self, name: str) -> RowFormat:
-        entry = self.metadata.state_dict_metadata[name]
-        return entry.properties.dtype, tuple(entry.size[1:])
-
-    def read(self, name: str, start: int, out: torch.Tensor) -> None:
-        read_rows(self.checkpoint_id, {name: (start, out)})
-
-
 def _row_bytes(tensor: torch.Tensor) -> int:
     return math.prod(tensor.shape[1:]) * tensor.element_size()
 
 
-def _window_buffers(table: LocalTable, n: int, size: int) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Scratch for ``n`` saved positions of every buffer of ``table``, at the front of one
-    byte buffer of at least ``size`` bytes that the later steps reuse (:func:`~.exchange.carve`)."""
-    shapes = [(c.local.dtype, (n, *c.local.shape[1:])) for c in table.buffers()]
-    arena = torch.empty(max(sum(-(-math.prod(s) * d.itemsize // 64) * 64 for d, s in shapes), size),
-                        dtype=torch.uint8)
-    return arena, {c.key: t for c, t in zip(table.buffers(), carve(arena, shapes))}
-
-
 @dataclass(frozen=True)
 class _Window:
-    """What one rank finds alone, before any collective: the checkpoint's metadata, the saved
-    layout, and its read window of the table's buffers (or the problems it met)."""
+    """What one rank finds alone, before any collective: the saved layout and its read
+    window of the table's ids and slots (or the problems it met)."""
 
-    metadata: Any = None
+    source: CheckpointRows | None = None
     saved: SlotRanges | None = None
     start: int = 0
-    buffers: Mapping[str, torch.Tensor] = field(default_factory=dict)  # by checkpoint key
+    ids: torch.Tensor | None = None
+    slots: torch.Tensor | None = None
     arena: torch.Tensor | None = None
     problems: tuple[str, ...] = ()
 
 
 def _read_window(checkpoint_id: str, table: LocalTable, rank: int, world: int) -> _Window:
-    """Rank-local: the saved layout from the checkpoint's metadata and this rank's window
-    (whole saved ranks, :func:`~.window.read_windows`); a failure becomes a problem."""
-    step = "reading the metadata"
+    """Rank-local: the saved layout from the checkpoint's metadata and this rank's window of
+    ids and slots (whole saved ranks, :func:`~.window.read_windows`: what the checks need;
+    metadata is read where it is used); a failure becomes a problem."""
+    step, source = "reading the metadata", None
     try:
-        metadata = dcp.FileSystemReader(checkpoint_id).read_metadata()
+        shard = sum(c.local.nbytes for c in (*table.buffers(), *table.rows))
+        source = CheckpointRows(checkpoint_id, dcp.FileSystemReader(checkpoint_id).read_metadata(),
+                                piece_bytes_for(shard))
         step = "the saved layout"
-        saved = saved_ranges(metadata, table)
+        saved = saved_ranges(source.metadata, table)
         windows = read_windows(saved, world)
         lo, hi = windows[rank], windows[rank + 1]
         step = "reading its window"
-        # The buffer later holds the entries that arrive (as many as this rank has slots,
-        # unless it evicts) beside the window, then one saved chunk of a row column; pages
-        # never written stay untouched.
-        entry_bytes = sum(_row_bytes(c.local) for c in table.buffers())
-        entries = (hi - lo + table.size) * entry_bytes + 64 * len(table.buffers()) * 2
-        chunk = max(saved.size(c) for c in range(saved.world_size)) * \
-            max((_row_bytes(r.local) for r in table.rows), default=0)
-        arena, buffers = _window_buffers(table, hi - lo, max(entries, chunk))
-        read_rows(checkpoint_id, {k: (lo, t) for k, t in buffers.items()})
+        # The buffer later holds the entries this rank serves (as many as it has slots,
+        # unless it evicts): beside the window when they are exchanged, over it when this
+        # rank reads them itself. Pages never written stay untouched.
+        window = [(c.local.dtype, (hi - lo,)) for c in (table.ids, table.slots)]
+        entries = (hi - lo + table.size) * sum(_row_bytes(c.local) for c in table.buffers())
+        arena = torch.empty(max(sum(d.itemsize * n + 64 for d, (n,) in window), entries + 64 * len(table.buffers())),
+                            dtype=torch.uint8)
+        ids, slots = carve(arena, window)
+        source.read(table.ids.key, lo, ids)
+        source.read(table.slots.key, lo, slots)
     except (KeyboardInterrupt, SystemExit):
         raise
     except BaseException as exc:  # noqa: BLE001 - DCP's CheckpointException too; raised on every rank
-        return _Window(problems=(problem(table.name, rank, f"{step}: {agreement.describe_error(exc)}"),))
-    return _Window(metadata, saved, lo, buffers, arena)
+        return _Window(source, problems=(problem(table.name, rank, f"{step}: {agreement.describe_error(exc)}"),))
+    return _Window(source, saved, lo, ids, slots, arena)
 
 
 def _layouts(name: str, facts: Sequence[tuple[int, int, tuple[int, ...] | None, tuple[str, ...]]]
@@ -257,35 +205,49 @@ def load_table(checkpoint_id: str, table: LocalTable, *, ownership: KeyOwnership
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     name = table.name
     local = _read_window(checkpoint_id, table, rank, world)
-    # One gather settles the layouts and every failure so far (each a barrier of its own otherwise).
-    saved, target = _layouts(name, agreement.gather(
-        (table.start, table.size, local.saved.bounds if local.saved else None, local.problems), group))
-    spec = ReshardSpec(name, saved, target, read_windows(saved, world), ownership, score)
-    buffers = local.buffers
-    window = SavedWindow(local.start, buffers[table.ids.key], buffers[table.slots.key],
-                         {m: buffers[c.key] for m, c in table.metadata.items()})
-    if saved == target:
-        problems, sent = window_problems(window, spec, rank, world)
+    try:
+        # One gather settles the layouts and every failure so far (each a barrier of its own otherwise).
+        saved, target = _layouts(name, agreement.gather(
+            (table.start, table.size, local.saved.bounds if local.saved else None, local.problems), group))
+        with torch.no_grad():
+            report, how = _load(local, table, ReshardSpec(name, saved, target, read_windows(saved, world), ownership,
+                                                          score), rank, world, group)
+    finally:
+        if local.source is not None:
+            local.source.close()
+    _log(name, saved, world, how, report)
+    return report
+
+
+def _load(local: _Window, table: LocalTable, spec: ReshardSpec, rank: int, world: int, group: Any
+          ) -> tuple[ReshardReport, str]:
+    """The agreed load of a table whose layouts are settled: by position or by value."""
+    name, source = table.name, local.source
+    assert source is not None
+    window = SavedWindow(local.start, local.ids, local.slots)
+    metadata = {m: c.key for m, c in table.metadata.items()}
+    if spec.saved == spec.target:
+        problems, sent = window_problems(window, spec, rank, world, metadata_names=sorted(metadata))
         elsewhere = sent is not None and sent.elsewhere(rank)
         moved = agreement.agree(elsewhere, problems or None, f"loading table {name!r} by position", group,
                                 raise_as=lambda _what, reports: problems_error(name, reports))
         if not moved:
-            for col in table.buffers():
-                col.local.copy_(buffers[col.key])
-            run_agreed(f"reading table {name!r}",
-                       lambda: read_rows(checkpoint_id, {c.key: (window.start, c.local) for c in table.rows}), group)
-            report = _positional_report(name, window.ids, rank, group)
-            _log(name, saved, world, "by position", report)
-            return report
+            table.ids.local.copy_(window.ids)
+            table.slots.local.copy_(window.slots)
+
+            def read_in_place() -> None:
+                for col in (*table.metadata.values(), *table.rows):
+                    source.read(col.key, window.start, col.local)
+
+            run_agreed(f"reading table {name!r}", read_in_place, group)
+            return _positional_report(name, window.ids, rank, group), "by position"
         # Same layout, but some id sits on a rank that does not serve it: move by value.
-    with torch.no_grad():
-        result = reshard(window, spec, CheckpointRows(checkpoint_id, local.metadata),
-                         {c.key: c.local for c in table.rows},
-                         out_table=TableShard(table.start, table.ids.local, table.slots.local,
-                                              {m: c.local for m, c in table.metadata.items()}),
-                         scratch=local.arena, group=group)
-    _log(name, saved, world, "by value", result.report)
-    return result.report
+    result = reshard(window, spec, source, {c.key: c.local for c in table.rows},
+                     out_table=TableShard(table.start, table.ids.local, table.slots.local,
+                                          {m: c.local for m, c in table.metadata.items()}),
+                     scratch=local.arena, group=group,
+                     entries=SavedEntries(source, table.ids.key, table.slots.key, metadata))
+    return result.report, "by value"
 
 
 def _positional_report(name: str, ids: torch.Tensor, rank: int, group: Any) -> ReshardReport:

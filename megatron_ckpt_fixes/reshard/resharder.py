@@ -11,15 +11,18 @@ slots, metadata) of whole saved ranks, the windows of all ranks tiling the saved
 
 1. every check of the window (:mod:`.window`), agreed by all ranks;
 2. each real entry (saved slot, id, metadata) goes to the rank that serves its id
-   (:mod:`.routing`), in one exchange: one all_to_all per column, started together;
+   (:mod:`.routing`). With range routing (TorchRec's) and the entries readable by every rank
+   (:class:`~.saved_rows.SavedEntries`), that rank reads them itself: they are one run of
+   positions of each saved rank, and no entry is sent. Otherwise in one exchange: one
+   all_to_all per column, started together;
 3. the owner refuses duplicate ids (ids that met from different saved ranks) and evicts
    what does not fit. The kept entries of one saved rank arrived together (saved position
    order); they take the next run of local slots in the order of their saved slots. Ids
    that arrive sorted (block routing: TorchRec's) stay sorted, so nothing is sorted then;
-4. rows do not travel: the owner reads, one column at a time, each saved chunk that holds
-   rows of its entries and gathers those rows, in increasing order, straight into one run
-   of its row tensors. Its miss slot gets the saved miss row of the saved rank it took most
-   entries from, a chunk it reads anyway.
+4. rows do not travel: the owner gathers the saved rows of its entries, one column and one
+   saved rank at a time, in increasing order, straight into one run of its row tensors
+   (:meth:`~.saved_rows.SavedRows.gather`: from a checkpoint, only those rows' bytes). Its
+   miss slot gets the saved miss row of the saved rank it took most entries from.
 
 Every check (bad slots, unsorted ids, duplicates, a taken miss slot, a full destination) is
 agreed by all ranks before the first row is written, so a failure leaves the caller's tensors
@@ -29,8 +32,8 @@ untouched and raises the same :class:`~.errors.ReshardError` on every rank.
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import logging
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -38,11 +41,12 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from .. import agreement
 from ..compat.device import collective_device
 from .errors import check_problems, problem, require_same, run_agreed
-from .exchange import send_grouped, send_rows
+from .exchange import carve, send_grouped, send_rows
 from .routing import Route
-from .saved_rows import RowFormat, SavedRows
+from .saved_rows import SavedEntries, SavedRows
 from .table import MISS_ID, SlotRanges, TableShard
 from .window import ReshardSpec, SavedWindow, window_problems
 
@@ -111,10 +115,23 @@ def _after(buffer: torch.Tensor | None, tensors: Sequence[torch.Tensor]) -> torc
     return buffer[min(-(-end // 64) * 64, size):]
 
 
+def _column(source: SavedRows, key: str, start: int, n: int) -> torch.Tensor:
+    """Saved positions ``[start, start + n)`` of one column, as saved."""
+    dtype, shape = source.row_format(key)
+    out = torch.empty((n, *shape), dtype=dtype)
+    source.read(key, start, out)
+    return out
+
+
 def _to_owners(win: SavedWindow, sent: Route, meta_names: Sequence[str], scratch: torch.Tensor | None,
-               group: Any) -> _Arrived:
+               group: Any, entries: SavedEntries | None) -> _Arrived:
     """Step 2: every real entry of the window to the rank that serves its id, received into
-    ``scratch`` beside the window when it fits."""
+    ``scratch`` beside the window when it fits. A window without its metadata columns
+    reads them from ``entries`` first."""
+    if entries is not None and meta_names and not win.metadata:
+        n = int(win.ids.numel())
+        win = dataclasses.replace(win, metadata={m: _column(entries.source, entries.metadata[m], win.start, n)
+                                                 for m in meta_names})
     columns = [win.slots, win.ids, *(win.metadata[m] for m in meta_names)]
     into = _after(scratch, columns)
     if sent.span is not None:
@@ -124,6 +141,27 @@ def _to_owners(win: SavedWindow, sent: Route, meta_names: Sequence[str], scratch
     else:
         got = send_rows(columns, sent.dest, sent.index, group, into)
     old, ids, *meta = got.columns
+    return _Arrived(old, ids, meta)
+
+
+def _read_own(cuts: Sequence[Sequence[Sequence[int]]], rank: int, entries: SavedEntries,
+              meta_names: Sequence[str], scratch: torch.Tensor | None) -> _Arrived:
+    """Step 2 without an exchange, for range routing: the entries this rank serves are
+    positions ``[at[rank], at[rank + 1])`` of each saved rank (``cuts``: every rank's window,
+    in rank order, and each saved rank in it, in order: the saved positions where each
+    rank's part starts). Read in that order, they arrive as the exchange would deliver them
+    (senders in rank order, their windows in position order), into ``scratch`` when they fit."""
+    spans = [(at[rank], at[rank + 1]) for window in cuts for at in window if at[rank] < at[rank + 1]]
+    n = sum(b - a for a, b in spans)
+    source = entries.source
+    keys = [entries.slots, entries.ids, *(entries.metadata[m] for m in meta_names)]
+    columns = carve(scratch, [(dtype, (n, *shape)) for dtype, shape in map(source.row_format, keys)])
+    for key, column in zip(keys, columns):
+        at = 0
+        for a, b in spans:
+            source.read(key, a, column[at:at + b - a])
+            at += b - a
+    old, ids, *meta = columns
     return _Arrived(old, ids, meta)
 
 
@@ -203,72 +241,62 @@ def _place(arrived: _Arrived, spec: ReshardSpec, rank: int, meta_names: Sequence
                       [m.index_select(0, kept_by_id) for m in arrived.meta], runs, sorted_ids[~keep])
 
 
-def _gather(dest: torch.Tensor, source: torch.Tensor, index: torch.Tensor) -> None:
-    """``dest = source[index]`` without a temporary when ``dest`` is contiguous."""
-    if dest.is_contiguous():
-        torch.index_select(source, 0, index, out=dest)
-    else:
-        dest.copy_(source.index_select(0, index))
-
-
-def _as_rows(buffer: torch.Tensor, n: int, fmt: RowFormat) -> torch.Tensor:
-    """The first ``n`` rows of format ``fmt`` that fit in a byte buffer (a view)."""
-    dtype, shape = fmt
-    nbytes = n * math.prod(shape) * dtype.itemsize
-    return buffer[:nbytes].view(dtype).view(n, *shape)
-
-
 def _read_rows(runs: Sequence[_Run], spec: ReshardSpec, rows: SavedRows, out_rows: Mapping[str, torch.Tensor],
-               rank: int, scratch: torch.Tensor | None) -> None:
-    """Step 4, rank-local: every kept entry's rows into the output rows, read one column and
-    one saved chunk at a time into one scratch buffer (``scratch`` when it is large enough:
-    memory touched before costs less than fresh memory). The last slot, the miss slot, gets
-    the saved miss row of the saved rank this rank took most entries from (the rank that
-    served most of its ids; without entries, saved rank ``rank mod N``): one of the chunks
-    it reads anyway, so no rank waits for another."""
+               rank: int) -> None:
+    """Step 4, rank-local: every kept entry's rows into the output rows, one column and one
+    saved rank at a time, each run's rows in increasing order (from a checkpoint: only their
+    bytes). The last slot, the miss slot, gets the saved miss row of the saved rank this rank
+    took most entries from (the rank that served most of its ids; without entries, saved
+    rank ``rank mod N``), so no rank waits for another."""
     saved = spec.saved
-    formats = {name: rows.row_format(name) for name in sorted(out_rows)}
-    row_bytes = max((math.prod(shape) * dtype.itemsize for dtype, shape in formats.values()), default=0)
-    need = max((saved.size(run.chunk) for run in runs), default=0) * row_bytes
-    if scratch is None or scratch.numel() < need:
-        scratch = torch.empty(need, dtype=torch.uint8)
-    miss_from = max(runs, key=lambda run: (run.end - run.first, -run.chunk)).chunk if runs else None
-    for name, fmt in formats.items():
+    miss_from = max(runs, key=lambda run: (run.end - run.first, -run.chunk)).chunk if runs else \
+        rank % saved.world_size
+    for name in sorted(out_rows):
         out = out_rows[name]
         for run in runs:
-            chunk = _as_rows(scratch, saved.size(run.chunk), fmt)
-            rows.read(name, saved.start(run.chunk), chunk)
-            _gather(out[run.first:run.end], chunk, run.rows)
-            if run.chunk == miss_from:
-                out[-1] = chunk[-1]
-        if miss_from is None:
-            rows.read(name, saved.miss_slot(rank % saved.world_size), out[-1:])
+            rows.gather(name, saved.start(run.chunk), run.rows, out[run.first:run.end])
+        rows.read(name, saved.miss_slot(miss_from), out[-1:])
 
 
 def reshard(win: SavedWindow, spec: ReshardSpec, rows: SavedRows, out_rows: Mapping[str, torch.Tensor], *,
             out_table: TableShard | None = None, scratch: torch.Tensor | None = None,
-            group: Any = None) -> ReshardResult:
+            group: Any = None, entries: SavedEntries | None = None) -> ReshardResult:
     """Move this rank's saved window to the value owners; write this rank's new table and rows.
 
     Collective over ``group``. ``rows``: where any rank reads the saved rows. ``out_rows``
     (this rank's new ``[size, ...]`` row tensors, e.g. the live local embedding, by column
     name) and ``out_table`` (its id, slot and metadata buffers; new tensors when ``None``) are
     written in place, only after every check passed on every rank; slots no id takes keep
-    their rows. ``scratch``: a byte buffer for the entries that arrive (beside the window
-    where the window lies in it) and then the rows read, e.g. the one the window was read
-    into: pages touched once cost less than fresh ones. Raises :class:`ReshardError` on
-    every rank if any rank finds a problem.
+    their rows. ``entries``: where every rank can read any saved positions of the table's
+    buffers; with range routing each rank then reads the entries it serves itself instead of
+    an exchange, and the window needs no metadata columns (its ids and slots are checked).
+    ``scratch``: a byte buffer for the entries that arrive (beside the window where the
+    window lies in it; from its start when they are read, as the window is no longer read
+    then), e.g. the one the window was read into: pages touched once cost less than fresh
+    ones. Raises :class:`ReshardError` on every rank if any rank finds a problem.
     """
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     key = spec.key
-    meta_names = sorted(win.metadata)
-    problems, sent = window_problems(win, spec, rank, world, rows, out_rows)
-    require_same(key, "the reshard spec and column names", (spec, meta_names, sorted(out_rows)), group, problems)
+    meta_names = sorted(win.metadata) if entries is None else sorted(entries.metadata)
+    problems, sent = window_problems(win, spec, rank, world, rows, out_rows, meta_names)
+    reads = None if entries is None else (entries.ids, entries.slots, sorted(entries.metadata.items()))
+    require_same(key, "the reshard spec and column names", (spec, meta_names, sorted(out_rows), reads), group,
+                 problems)
 
-    arrived = _to_owners(win, sent, meta_names, scratch, group)
+    cuts = None
+    if entries is not None:  # every rank decides on the same gathered routes
+        mine = None if sent.cuts is None else [[win.start + p for p in at] for at in sent.cuts]
+        gathered = agreement.gather(mine, group)
+        cuts = gathered if all(c is not None for c in gathered) else None
+    if cuts is not None:
+        del sent
+        arrived = _read_own(cuts, rank, entries, meta_names, scratch)
+    else:
+        arrived = _to_owners(win, sent, meta_names, scratch, group, entries)
+        del sent
     placed = _place(arrived, spec, rank, meta_names, group)
     received, kept, evicted = int(arrived.ids.numel()), int(placed.ids.numel()), int(placed.evicted_ids.numel())
-    del arrived, sent
+    del arrived
     totals = torch.tensor([evicted, kept], dtype=torch.int64, device=collective_device(group))
     summed = dist.all_reduce(totals, group=group, async_op=True)  # for the report: no barrier of its own
     start, size = spec.target.start(rank), spec.target.size(rank)
@@ -276,7 +304,7 @@ def reshard(win: SavedWindow, spec: ReshardSpec, rows: SavedRows, out_rows: Mapp
 
     # Step 4 (every check has passed). A failed read is agreed, so every rank raises it.
     run_agreed(f"reading the saved rows of table {key!r}",
-               lambda: _read_rows(placed.runs, spec, rows, out_rows, rank, scratch), group)
+               lambda: _read_rows(placed.runs, spec, rows, out_rows, rank), group)
     summed.wait()
     report = ReshardReport(key, rank, received, kept, evicted, int(totals[0]), int(totals[1]))
     if evicted:

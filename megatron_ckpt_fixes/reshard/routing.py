@@ -5,8 +5,10 @@ prefix of its positions (checked before routing). When the ownership routes by c
 id ranges (:class:`~.ownership.RangeOwnership`: TorchRec's row-wise bucketization,
 ``BlockOwnership``), the ids of a prefix that go to one rank are one contiguous part of it:
 a binary search per rank finds each part, nothing is computed per id, and the parts are
-already grouped by destination, as ``all_to_all`` wants them. Otherwise the owner of every
-id is computed and the exchange groups the entries (:func:`~.exchange.send_rows`).
+already grouped by destination, as ``all_to_all`` wants them; and since each part is one run
+of a saved rank's positions, the rank it goes to can read it from the checkpoint itself
+(:attr:`Route.cuts`), with no exchange at all. Otherwise the owner of every id is computed
+and the exchange groups the entries (:func:`~.exchange.send_rows`).
 """
 
 from __future__ import annotations
@@ -22,17 +24,27 @@ from .ownership import KeyOwnership, RangeOwnership
 @dataclass(frozen=True)
 class Route:
     """The real entries of a window in sending order: the window's positions ``span`` (one
-    saved rank, grouped already: nothing to copy) or ``index``; then either ``counts`` per
-    destination rank (grouped already) or ``dest`` per entry (to be grouped)."""
+    saved rank, grouped already: nothing to copy) or ``parts`` (``(start, end)`` runs of
+    positions, :attr:`index`); then either ``counts`` per destination rank (grouped already)
+    or ``dest`` per entry (to be grouped). With range routing, ``cuts``
+    holds, per saved rank of the window in order, the window positions where each rank's
+    part starts and the last one ends (``world + 1`` each)."""
 
     span: slice | None
-    index: torch.Tensor | None
+    parts: tuple[tuple[int, int], ...] | None
     counts: list[int] | None
     dest: torch.Tensor | None
+    cuts: tuple[tuple[int, ...], ...] | None = None
+
+    @property
+    def index(self) -> torch.Tensor | None:
+        """The window positions in sending order (``None`` for a ``span``); built on demand,
+        as a rank that reads its entries itself never needs it."""
+        return None if self.parts is None else _positions(self.parts)
 
     def take(self, column: torch.Tensor) -> torch.Tensor:
         """The real rows of a window column in sending order (a view for a ``span``)."""
-        return column[self.span] if self.index is None else column.index_select(0, self.index)
+        return column[self.span] if self.span is not None else column.index_select(0, self.index)
 
     def elsewhere(self, rank: int) -> bool:
         """Whether some entry goes to another rank than ``rank``."""
@@ -51,10 +63,12 @@ def _by_ranges(ids: torch.Tensor, prefixes: Sequence[tuple[int, int]], cuts: Seq
     sorted ids fall in ``[cuts[r], cuts[r + 1])``. ``None`` when some id lies outside."""
     parts: list[list[tuple[int, int]]] = [[] for _ in range(world)]  # per rank, window order
     bounds = torch.tensor(cuts, dtype=torch.int64)
+    positions = []
     for a, k in prefixes:
         if k and not (cuts[0] <= int(ids[a]) and int(ids[a + k - 1]) < cuts[-1]):
             return None
         at = (a + torch.searchsorted(ids[a:a + k], bounds)).tolist()
+        positions.append(tuple(at))
         for r in range(world):
             if at[r] < at[r + 1]:
                 parts[r].append((at[r], at[r + 1]))
@@ -63,8 +77,8 @@ def _by_ranges(ids: torch.Tensor, prefixes: Sequence[tuple[int, int]], cuts: Seq
     contiguous = all(order[i][1] == order[i + 1][0] for i in range(len(order) - 1))
     if len(prefixes) == 1 and contiguous:
         a, k = prefixes[0]
-        return Route(slice(a, a + k), None, counts, None)
-    return Route(None, _positions(order), counts, None)
+        return Route(slice(a, a + k), None, counts, None, tuple(positions))
+    return Route(None, tuple(order), counts, None, tuple(positions))
 
 
 def route(ids: torch.Tensor, prefixes: Sequence[tuple[int, int]], ownership: KeyOwnership,
@@ -77,5 +91,5 @@ def route(ids: torch.Tensor, prefixes: Sequence[tuple[int, int]], ownership: Key
     if len(prefixes) == 1:
         a, k = prefixes[0]
         return Route(slice(a, a + k), None, None, ownership.owner(ids[a:a + k], world))
-    index = _positions([(a, a + k) for a, k in prefixes])
-    return Route(None, index, None, ownership.owner(ids.index_select(0, index), world))
+    parts = tuple((a, a + k) for a, k in prefixes)
+    return Route(None, parts, None, ownership.owner(ids.index_select(0, _positions(parts)), world))

@@ -1,16 +1,15 @@
-"""Where the saved rows come from: rank-local reads of any range of the saved row columns.
+"""Where the saved rows come from: rank-local reads of any rows of the saved columns.
 
-The resharder sends ids and metadata between ranks, never rows. A row column (embedding
-weights, an optimizer's per-row state) is the bulk of a table's bytes, and it is already
-stored where every rank can read it: each rank reads the saved chunks that hold the rows of
-the ids it now serves and gathers those rows straight into its own tensors. So rows cross
-no network and are copied once after the read, and a rank reads no more than a plain
-positional DCP load reads when routing is by blocks of ids (TorchRec's): the saved chunks
-that overlap its range. With routing by hash, every rank reads every saved chunk that holds
-one of its ids (docs/reshard.md, "Known limits").
+The resharder sends ids and metadata between ranks only where a rank cannot read them itself,
+and rows never. A row column (embedding weights, an optimizer's per-row state) is the bulk of
+a table's bytes, and it is already stored where every rank can read it: each rank reads the
+rows of the ids it now serves, and only those (:meth:`SavedRows.gather`), straight into its
+own tensors. So rows cross no network and are copied once. With routing by blocks of ids
+(TorchRec's) a rank also reads its entries (ids, saved slots, metadata) itself
+(:class:`SavedEntries`): they are one run of positions of each saved rank.
 
-:class:`~.checkpoint.CheckpointRows` reads from a DCP checkpoint; :class:`TensorRows` serves
-columns that every rank holds in memory (the generic API, tests).
+:class:`~.saved_chunks.CheckpointRows` reads from a DCP checkpoint by byte range;
+:class:`TensorRows` serves columns that every rank holds in memory (the generic API, tests).
 """
 
 from __future__ import annotations
@@ -37,6 +36,11 @@ class SavedRows(Protocol):
         """Saved rows ``[start, start + len(out))`` of ``name`` into ``out``. Not collective."""
         ...
 
+    def gather(self, name: str, start: int, index: torch.Tensor, out: torch.Tensor) -> None:
+        """``out[j]`` = saved row ``start + index[j]`` of ``name``, for ``index`` increasing
+        (int64). Not collective."""
+        ...
+
 
 @dataclass(frozen=True)
 class TensorRows:
@@ -50,3 +54,22 @@ class TensorRows:
 
     def read(self, name: str, start: int, out: torch.Tensor) -> None:
         out.copy_(self.columns[name][start:start + out.shape[0]])
+
+    def gather(self, name: str, start: int, index: torch.Tensor, out: torch.Tensor) -> None:
+        source = self.columns[name][start:]
+        if out.is_contiguous():
+            torch.index_select(source, 0, index, out=out)
+        else:
+            out.copy_(source.index_select(0, index))
+
+
+@dataclass(frozen=True)
+class SavedEntries:
+    """Where any rank reads any saved positions of a table's buffers: the columns of
+    ``source`` that hold the ids, their saved slots and each metadata column (by its name).
+    Positions share the saved slot space with the rows (TorchRec's layout)."""
+
+    source: SavedRows
+    ids: str
+    slots: str
+    metadata: Mapping[str, str]

@@ -10,7 +10,7 @@ passes also says where its entries go (:mod:`.routing`).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -128,7 +128,7 @@ def _ids_problems(key: str, rank: int, where: str, c_lo: int, ids: torch.Tensor)
     return out
 
 
-def _window_problems(win: SavedWindow, spec: ReshardSpec, rank: int, world: int
+def _window_problems(win: SavedWindow, spec: ReshardSpec, rank: int, world: int, metadata_names: Sequence[str]
                      ) -> tuple[list[str], Route | None]:
     """Everything wrong with this rank's saved window, and where its real entries are and
     who serves them (``None`` when the window is unusable)."""
@@ -143,9 +143,9 @@ def _window_problems(win: SavedWindow, spec: ReshardSpec, rank: int, world: int
            for name, col in [("slots", win.slots), *win.metadata.items()] if col.shape[0] != n]
     if out:
         return out, None
-    if spec.score is not None and spec.score not in win.metadata:
+    if spec.score is not None and spec.score not in metadata_names:
         out.append(problem(key, rank, f"eviction score column {spec.score!r} not in metadata "
-                                      f"{sorted(win.metadata)}"))
+                                      f"{sorted(metadata_names)}"))
     prefixes = []
     for chunk in range(spec.saved.world_size):  # the saved ranks this window holds
         c_lo, c_hi = spec.saved.start(chunk), spec.saved.end(chunk)
@@ -179,16 +179,19 @@ def _rows_problems(spec: ReshardSpec, rank: int, world: int, rows: SavedRows,
 
 
 def window_problems(win: SavedWindow, spec: ReshardSpec, rank: int, world: int,
-                    rows: SavedRows | None = None, out_rows: Mapping[str, torch.Tensor] | None = None
-                    ) -> tuple[list[str], Route | None]:
+                    rows: SavedRows | None = None, out_rows: Mapping[str, torch.Tensor] | None = None,
+                    metadata_names: Sequence[str] | None = None) -> tuple[list[str], Route | None]:
     """All checks of a saved window before anything moves, and where its real entries are
-    and who serves them (see :func:`_window_problems`). Rank-local; a crash in a check is a
-    problem too, to be agreed (:func:`~.errors.check_problems`), not a hang."""
+    and who serves them (see :func:`_window_problems`). ``metadata_names``: the table's
+    metadata columns when the window does not hold them (they are read elsewhere; default:
+    the window's). Rank-local; a crash in a check is a problem too, to be agreed
+    (:func:`~.errors.check_problems`), not a hang."""
     real = None
     try:
         out = _spec_problems(spec, rank, world)
         if not out:
-            out, real = _window_problems(win, spec, rank, world)
+            names = sorted(win.metadata) if metadata_names is None else metadata_names
+            out, real = _window_problems(win, spec, rank, world, names)
         if rows is not None and out_rows is not None:
             out += _rows_problems(spec, rank, world, rows, out_rows)
     except Exception as exc:  # noqa: BLE001 - reported on every rank by check_problems()

@@ -5,6 +5,9 @@ test_torchrec_reshard.py). Every case checks, on every rank, for every id admitt
 save that this rank owns now: the lookup finds it (not the miss slot) and returns bitwise the
 saved embedding and optimizer rows and the saved count; unknown ids still hit the miss slot.
 Bad checkpoints raise the same error on every rank and leave the caller's tensors untouched.
+Rows (and, under range routing, entries) are read by byte range from the saved records; one
+case has a chunk whose record is not plain (read through DCP), one routes by hash (entries
+exchanged).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from megatron_ckpt_fixes.reshard import (
     SlotRanges, TableShard, TensorRows, load_table, reshard, saved_ranges, table_state_dict,
 )
 from megatron_ckpt_fixes.testing import run_ranks
+from dcp_records import deflated, rewrite_record
 from reshard_upstream import slot_routed_tables
 
 H = 10_000  # input id space
@@ -110,16 +114,18 @@ def _lookup(table: LocalTable) -> TableShard:
 
 
 def load_rank(rank: int, world: int, saved_bounds: tuple[int, ...], seed: int, fill: float,
-              bounds: tuple, ckpt: str, rows: str = "float") -> dict:
+              bounds: tuple, ckpt: str, rows: str = "float", modulo: bool = False) -> dict:
     """Load at this world size and check every id this rank owns now. ``bounds`` may be a
-    tuple of per-rank bounds, to give ranks inconsistent layouts."""
+    tuple of per-rank bounds, to give ranks inconsistent layouts. ``modulo``: ids served by
+    ``id % world`` (no range routing: entries are exchanged, not read by their owner)."""
     ranges = SlotRanges(bounds[rank] if isinstance(bounds[0], tuple) else bounds)
     table = local_table(ranges, rank, rows)
-    report = load_table(ckpt, table, ownership=OWN)
+    own = ModuloOwnership() if modulo else OWN
+    report = load_table(ckpt, table, ownership=own)
     shard = _lookup(table)
     before = saved_global(saved_bounds, seed, fill, rows)
     mine = torch.tensor(sorted(before), dtype=torch.int64)
-    mine = mine[OWN.owner(mine, world) == rank]
+    mine = mine[own.owner(mine, world) == rank]
     slots = shard.lookup(mine)
     found = slots != shard.miss_slot
     wrong_rows = wrong_counts = 0
@@ -233,7 +239,7 @@ def load_many(rank: int, world: int, jobs: list[tuple]) -> list:
 
 # (saved bounds, loaded bounds, fill, rows): uneven sizes everywhere, same total (the
 # embedding table keeps its rows; only their split over ranks changes).
-CASES = {
+CASES: dict[str, tuple] = {
     "1to2": ((0, 90), (0, 40, 90), 0.4, "float"),
     "2to1": ((0, 37, 90), (0, 90), 0.4, "float"),
     "2to3": ((0, 50, 90), (0, 25, 55, 90), 0.4, "float"),
@@ -247,7 +253,13 @@ CASES = {
     "2to3_evicting": ((0, 50, 90), (0, 5, 50, 90), 0.6, "float"),
     # even sizes, upstream's own assumption, for the comparison with the slot-routed fix
     "2to3_even": ((0, 60, 120), (0, 40, 80, 120), 0.8, "float"),
+    # hash routing: the entries travel (their metadata read for the exchange), rows do not
+    "2to3_modulo": ((0, 50, 90), (0, 25, 55, 90), 0.4, "float", True),
+    # saved rank 1's embedding chunk rewritten with a compressed storage member: those rows
+    # are read through DCP (whole chunk), the others by byte range
+    "2to3_one_chunk_deflated": ((0, 50, 90), (0, 25, 55, 90), 0.4, "float"),
 }
+DEFLATED = {"2to3_one_chunk_deflated": (EMB, 50)}
 # Corrupted 2-rank checkpoints: (expected words in the error, loaded bounds). The same-layout
 # ones are defects (b) and (c) (the positional path), the straddling swap is defect (d).
 BAD_SAVED, SEED = (0, 50, 90), 1
@@ -274,11 +286,11 @@ def runs(tmp_path_factory):
     root = tmp_path_factory.mktemp("reshard")
     saves: dict[int, list] = {}
     loads: dict[int, list] = {}
-    for name, (saved, target, fill, rows) in CASES.items():
+    for name, (saved, target, fill, rows, *modulo) in CASES.items():
         ckpt = str(root / name)
         saves.setdefault(len(saved) - 1, []).append((saved, SEED, fill, ckpt, None, rows))
         loads.setdefault(len(target) - 1, []).append(
-            (name, ("load", (saved, SEED, fill, target, ckpt, rows))))
+            (name, ("load", (saved, SEED, fill, target, ckpt, rows, *modulo))))
     for bad, (_, target) in BAD.items():
         ckpt = str(root / bad.replace("@", "_"))
         saves.setdefault(2, []).append((BAD_SAVED, SEED, 0.8, ckpt, bad.split("@")[0], "float"))
@@ -289,6 +301,8 @@ def runs(tmp_path_factory):
                  ("spec_cuts_saved_rank", ("generic", (False, True)))]
     for world, jobs in saves.items():
         run_ranks(save_many, world, jobs, timeout_s=150)
+    for name, (key, first_row) in DEFLATED.items():
+        rewrite_record(str(root / name), key, deflated, first_row)
     out: dict[str, list] = {}
     for world, named in loads.items():
         per_rank = [r.value for r in run_ranks(load_many, world, [j for _, j in named], timeout_s=150)]
@@ -299,7 +313,7 @@ def runs(tmp_path_factory):
 
 @pytest.mark.parametrize("case", [c for c in CASES if c != "2to3_evicting"])
 def test_reshard_keeps_every_id_exact(runs, case):
-    saved, target, fill, rows = CASES[case]
+    saved, target, fill, rows, *_ = CASES[case]
     results = runs[case]
     before = saved_global(saved, SEED, fill, rows)
     assert sum(r["owned"] for r in results) == len(before) > 0
