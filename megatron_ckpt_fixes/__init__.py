@@ -38,6 +38,7 @@ FEATURES: tuple[str, ...] = (
     "async_worker",
     "compat.rerun_device",
     "dtensor.mcore",
+    "snapshot",
     "checksums",
 )
 
