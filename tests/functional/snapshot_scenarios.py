@@ -168,6 +168,7 @@ def snapshot_worker(rank: int, ws: int, root: str, mode: str) -> dict[str, Any]:
 
     installed = _install(mode)
     out: dict[str, Any] = {}
+    moments: dict[str, list[torch.Tensor]] = {}
 
     def run(name: str, queue: Any, when: str, shared: bool) -> None:
         tensors = _values(rank, len(out))
@@ -176,7 +177,7 @@ def snapshot_worker(rank: int, ws: int, root: str, mode: str) -> dict[str, Any]:
                 t.share_memory_()
         shared_before = sum(t.is_shared() for t in tensors)
         path = os.path.join(root, name)
-        expected = _save_and_change(queue, rank, ws, path, tensors, when)
+        expected = moments[name] = _save_and_change(queue, rank, ws, path, tensors, when)
         queue.maybe_finalize_async_calls(blocking=True)
         outcome = _judge(path, expected, rank, ws, installed)
         outcome.shared_before = shared_before
@@ -208,4 +209,37 @@ def snapshot_worker(rank: int, ws: int, root: str, mode: str) -> dict[str, Any]:
         from megatron_ckpt_fixes import snapshot
 
         out["stats"] = snapshot.stats()
+        out["records"] = {name: _records(os.path.join(root, name), rank)
+                          for name in ("fork-shared-scheduled", "persistent-scheduled")}
+        # Written without torch's CRC-32: plain megatron-core (and torch) load them bitwise.
+        import megatron_ckpt_fixes
+
+        megatron_ckpt_fixes.uninstall()
+        megatron_ckpt_fixes.install(["compat.cpu"])
+        out["plain-load"] = {name: _judge(os.path.join(root, name), moments[name], rank, ws,
+                                          ()).torn for name in moments}
     return out
+
+
+def _records(path: str, rank: int) -> dict[str, int]:
+    """This rank's saved records (byte ranges from ``.metadata``) as zip archives: how many
+    carry torch's CRC-32, how many do not (0 in the zip entries: the checksum replaces it),
+    and how many plain ``torch.load`` reads back as one of this rank's tensors."""
+    import io
+    import pickle
+    import zipfile
+
+    with open(os.path.join(path, ".metadata"), "rb") as f:
+        metadata = pickle.load(f)
+    counts = {"with_crc": 0, "without_crc": 0, "loads": 0}
+    for index, info in metadata.storage_data.items():
+        if not info.relative_path.startswith(f"__{rank}_"):
+            continue
+        with open(os.path.join(path, info.relative_path), "rb") as f:
+            f.seek(info.offset)
+            record = f.read(info.length)
+        bad = zipfile.ZipFile(io.BytesIO(record)).testzip()
+        counts["without_crc" if bad else "with_crc"] += 1
+        tensor = torch.load(io.BytesIO(record), weights_only=True)
+        counts["loads"] += int(isinstance(tensor, torch.Tensor) and tensor.numel() == ELEMENTS)
+    return counts

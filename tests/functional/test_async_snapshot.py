@@ -91,3 +91,14 @@ def test_staging_buffers_are_kept_and_double_buffered(fixed):
         stats = out["stats"]
         assert stats.saves == 6 and stats.bytes_copied == 6 * per_save, stats
         assert stats.bytes_allocated == 3 * per_save, stats
+
+
+@pytest.mark.timeout(700)
+def test_the_writers_records_skip_torchs_crc32_and_still_load(fixed):
+    """Issue 24: the item's checksum replaces torch's unchecked CRC-32 in the records the
+    writer checksums, in the forked writer and in the persistent worker alike; plain torch
+    reads every record, plain megatron-core loads every checkpoint bitwise."""
+    for out in fixed:
+        for name, counts in out["records"].items():
+            assert counts == {"with_crc": 0, "without_crc": 8, "loads": 8}, (name, counts)
+        assert set(out["plain-load"].values()) == {0}, out["plain-load"]
