@@ -222,24 +222,27 @@ def snapshot_worker(rank: int, ws: int, root: str, mode: str) -> dict[str, Any]:
 
 
 def _records(path: str, rank: int) -> dict[str, int]:
-    """This rank's saved records (byte ranges from ``.metadata``) as zip archives: how many
-    carry torch's CRC-32, how many do not (0 in the zip entries: the checksum replaces it),
-    and how many plain ``torch.load`` reads back as one of this rank's tensors."""
+    """This rank's saved records (byte ranges from ``.metadata``) as zip archives, read with
+    plain ``torch.load``: tensor records with and without torch's CRC-32 (without: 0 in the
+    zip entries, the checksum replaces it), and other records (objects megatron-core
+    serialized before the writer, with torch's CRC-32 as the user's torch.save writes it)."""
     import io
     import pickle
     import zipfile
 
     with open(os.path.join(path, ".metadata"), "rb") as f:
         metadata = pickle.load(f)
-    counts = {"with_crc": 0, "without_crc": 0, "loads": 0}
-    for index, info in metadata.storage_data.items():
+    counts = {"tensor_with_crc": 0, "tensor_without_crc": 0, "other": 0}
+    for info in metadata.storage_data.values():
         if not info.relative_path.startswith(f"__{rank}_"):
             continue
         with open(os.path.join(path, info.relative_path), "rb") as f:
             f.seek(info.offset)
             record = f.read(info.length)
-        bad = zipfile.ZipFile(io.BytesIO(record)).testzip()
-        counts["without_crc" if bad else "with_crc"] += 1
-        tensor = torch.load(io.BytesIO(record), weights_only=True)
-        counts["loads"] += int(isinstance(tensor, torch.Tensor) and tensor.numel() == ELEMENTS)
+        crc = zipfile.ZipFile(io.BytesIO(record)).testzip() is None
+        value = torch.load(io.BytesIO(record), weights_only=False)
+        if isinstance(value, torch.Tensor) and value.numel() == ELEMENTS:
+            counts["tensor_with_crc" if crc else "tensor_without_crc"] += 1
+        else:
+            counts["other"] += 1
     return counts
