@@ -200,3 +200,15 @@ def test_an_unknown_request_passes_unchanged(caplog):
     request = AsyncRequest(print, (1, 2), [])
     assert snapshot.snapshot_request(request, False) is request
     assert "without a snapshot" in caplog.text
+
+
+def test_only_cpu_tensors_are_copied():
+    """A device tensor is copied to host memory by upstream's own preload step before the
+    trainer is released (once: not again here); a CPU-resident one (optimizer CPU offload
+    on a GPU machine) needs the copy on the persistent path."""
+    device_tensor = torch.empty(4, device="meta")  # stands in for a GPU tensor on CPU
+    assert not snapshot.needs_copy(device_tensor, forked=False)
+    assert not snapshot.needs_copy(device_tensor, forked=True)
+    assert snapshot.needs_copy(torch.zeros(4), forked=False)
+    assert not snapshot.needs_copy(torch.zeros(4), forked=True)
+    assert snapshot.needs_copy(torch.zeros(4).share_memory_(), forked=True)
