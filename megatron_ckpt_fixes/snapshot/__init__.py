@@ -85,7 +85,7 @@ def _write_buckets(request: Any) -> list | None:
     """The write buckets of a request made by megatron-core's ``FileSystemWriterAsync``
     (its preload step is ``partial(preload_tensors, buckets, ...)``, and the buckets are the
     writer function's second argument), or None."""
-    preload = request.preload_fn
+    preload = getattr(request, "preload_fn", None)  # older request types have none
     if not (isinstance(preload, functools.partial) and preload.func is _preload_tensors()
             and preload.args and len(request.async_fn_args) > 1
             and request.async_fn_args[1] is preload.args[0]):
@@ -99,7 +99,7 @@ def snapshot_request(request: Any, forked: bool, pool: StagingPool = POOL) -> An
     The request itself when nothing needs a copy or the request is not recognised."""
     buckets = _write_buckets(request)
     if buckets is None:
-        if request.async_fn is not None:
+        if getattr(request, "async_fn", None) is not None:
             _warn_unrecognised(request)
         return request
     positions = [(b, i) for b, (_, _, (_, tensors)) in enumerate(buckets)

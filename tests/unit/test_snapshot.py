@@ -212,3 +212,13 @@ def test_only_cpu_tensors_are_copied():
     assert snapshot.needs_copy(torch.zeros(4), forked=False)
     assert not snapshot.needs_copy(torch.zeros(4), forked=True)
     assert snapshot.needs_copy(torch.zeros(4).share_memory_(), forked=True)
+
+
+def test_an_older_request_type_passes_unchanged():
+    """megatron-core still accepts requests of an older layout (local checkpointing's):
+    without a preload step there is nothing of the writer's to recognise."""
+    from collections import namedtuple
+
+    Old = namedtuple("Old", ["async_fn", "async_fn_args", "finalize_fns"])
+    request = Old(None, (), [])
+    assert snapshot.snapshot_request(request, False) is request
