@@ -41,6 +41,7 @@ from __future__ import annotations
 import functools
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -48,7 +49,8 @@ import torch
 from .._patching import Patch
 from .staging import POOL, SnapshotStats, StagingPool
 
-__all__ = ["PATCHES", "POOL", "SnapshotStats", "needs_copy", "snapshot_request", "stats"]
+__all__ = ["PATCHES", "POOL", "Layout", "SnapshotStats", "mcore_layout", "needs_copy",
+           "snapshot_request", "snapshotting_schedule", "stats"]
 
 logger = logging.getLogger(__name__)
 
@@ -81,45 +83,62 @@ def _preload_tensors() -> Callable[..., Any]:
     return FileSystemWriterAsync.preload_tensors
 
 
-def _write_buckets(request: Any) -> list | None:
-    """The write buckets of a request made by megatron-core's ``FileSystemWriterAsync``
-    (its preload step is ``partial(preload_tensors, buckets, ...)``, and the buckets are the
-    writer function's second argument), or None."""
+@dataclass(frozen=True)
+class Layout:
+    """Where a kind of request keeps the tensors its writer will write."""
+
+    tensors: list[torch.Tensor]
+    #: the same request, writing the given tensors (same order) instead
+    rebuild: Callable[[list[torch.Tensor]], Any]
+
+
+def mcore_layout(request: Any) -> Layout | None:
+    """The tensors of a request made by megatron-core's ``FileSystemWriterAsync``: its
+    preload step is ``partial(preload_tensors, buckets, ...)``, and the same buckets are the
+    writer function's second argument. None for any other request."""
     preload = getattr(request, "preload_fn", None)  # older request types have none
     if not (isinstance(preload, functools.partial) and preload.func is _preload_tensors()
             and preload.args and len(request.async_fn_args) > 1
             and request.async_fn_args[1] is preload.args[0]):
         return None
-    return preload.args[0]
+    buckets = preload.args[0]
+    positions = [(b, i) for b, (_, _, (_, tensors)) in enumerate(buckets)
+                 for i in range(len(tensors))]
+
+    def rebuild(new: list[torch.Tensor]) -> Any:
+        staged = dict(zip(positions, new))
+        new_buckets = [(path, key, (bytes_data, [(item, staged[(b, i)])
+                                                 for i, (item, _) in enumerate(tensors)]))
+                       for b, (path, key, (bytes_data, tensors)) in enumerate(buckets)]
+        args = list(request.async_fn_args)
+        args[1] = new_buckets
+        return request._replace(
+            async_fn_args=type(request.async_fn_args)(args),
+            preload_fn=functools.partial(preload.func, new_buckets, *preload.args[1:],
+                                         **preload.keywords))
+
+    return Layout([buckets[b][2][1][i][1] for b, i in positions], rebuild)
 
 
-def snapshot_request(request: Any, forked: bool, pool: StagingPool = POOL) -> Any:
+def snapshot_request(request: Any, forked: bool, pool: StagingPool = POOL,
+                     layout: Callable[[Any], Layout | None] = mcore_layout) -> Any:
     """``request`` writing copies (in ``pool``'s staging buffers) of every tensor the writer
     could see change; the buffers return to the pool at the request's first finalize step.
-    The request itself when nothing needs a copy or the request is not recognised."""
-    buckets = _write_buckets(request)
-    if buckets is None:
+    The request itself when nothing needs a copy or ``layout`` does not recognise it."""
+    found = layout(request)
+    if found is None:
         if getattr(request, "async_fn", None) is not None:
             _warn_unrecognised(request)
         return request
-    positions = [(b, i) for b, (_, _, (_, tensors)) in enumerate(buckets)
-                 for i, (_, tensor) in enumerate(tensors) if needs_copy(tensor, forked)]
+    positions = [i for i, tensor in enumerate(found.tensors) if needs_copy(tensor, forked)]
     if not positions:
         return request
     staging = pool.acquire(shared=not forked)
-    copies = iter(pool.copy(staging, [buckets[b][2][1][i][1] for b, i in positions]))
-    staged = {position: next(copies) for position in positions}
-    new_buckets = [
-        (path, key, (bytes_data, [(item, staged.get((b, i), tensor))
-                                  for i, (item, tensor) in enumerate(tensors)]))
-        for b, (path, key, (bytes_data, tensors)) in enumerate(buckets)]
-    preload = request.preload_fn
-    args = list(request.async_fn_args)
-    args[1] = new_buckets
+    tensors = list(found.tensors)
+    for i, copy in zip(positions, pool.copy(staging, [tensors[i] for i in positions])):
+        tensors[i] = copy
+    request = found.rebuild(tensors)
     return request._replace(
-        async_fn_args=type(request.async_fn_args)(args),
-        preload_fn=functools.partial(preload.func, new_buckets, *preload.args[1:],
-                                     **preload.keywords),
         finalize_fns=[functools.partial(pool.release, staging), *request.finalize_fns])
 
 
@@ -133,15 +152,20 @@ def _warn_unrecognised(request: Any) -> None:
     _warn_unrecognised_once(getattr(request.async_fn, "__qualname__", repr(request.async_fn)))
 
 
-def snapshotting_schedule(original: Callable[..., int]) -> Callable[..., int]:
-    """Wrap ``AsyncCallsQueue.schedule_async_request``: the request leaves with a snapshot."""
+def snapshotting_schedule(layout: Callable[[Any], Layout | None]
+                          ) -> Callable[[Callable[..., int]], Callable[..., int]]:
+    """A builder wrapping an ``AsyncCallsQueue.schedule_async_request`` whose requests have
+    ``layout``: the request leaves with a snapshot."""
 
-    @functools.wraps(original)
-    def schedule_async_request(self: Any, async_request: Any) -> int:
-        forked = not getattr(self, "persistent", False)
-        return original(self, snapshot_request(async_request, forked))
+    def build(original: Callable[..., int]) -> Callable[..., int]:
+        @functools.wraps(original)
+        def schedule_async_request(self: Any, async_request: Any) -> int:
+            forked = not getattr(self, "persistent", False)
+            return original(self, snapshot_request(async_request, forked, layout=layout))
 
-    return schedule_async_request
+        return schedule_async_request
+
+    return build
 
 
 # -- detection and what the patch relies on ----------------------------------------------------
@@ -179,7 +203,7 @@ PATCHES: tuple[Patch, ...] = (
         name="snapshot.schedule_async_request",
         target=_QUEUE,
         attr="schedule_async_request",
-        build=snapshotting_schedule,
+        build=snapshotting_schedule(mcore_layout),
         reads=(f"{_WRITER}.preload_tensors", f"{_WRITER}.get_save_function_and_args"),
         probes=(_request_problems,),
         not_needed=upstream_snapshots,

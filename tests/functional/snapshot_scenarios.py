@@ -88,13 +88,14 @@ def _sharded(tensors: list[torch.Tensor], rank: int, ws: int) -> dict:
             for i, t in enumerate(tensors)}
 
 
-def _request(tensors: list[torch.Tensor], rank: int, ws: int, path: str) -> Any:
+def _request(tensors: list[torch.Tensor], rank: int, ws: int, path: str,
+             strategy: str = "mcore") -> Any:
     from megatron.core import dist_checkpointing as dc
 
     if rank == 0:
         os.makedirs(path)
     dist.barrier()
-    kwargs = ({"async_strategy": "mcore"}
+    kwargs = ({"async_strategy": strategy}
               if "async_strategy" in inspect.signature(dc.save).parameters else {})
     return dc.save(_sharded(tensors, rank, ws), path, async_sharded_save=True, **kwargs)
 
@@ -146,10 +147,10 @@ def _wait_for(marker: str) -> None:
 
 
 def _save_and_change(queue: Any, rank: int, ws: int, path: str, tensors: list[torch.Tensor],
-                     when: str) -> list[torch.Tensor]:
+                     when: str, strategy: str = "mcore") -> list[torch.Tensor]:
     """Schedule a save of ``tensors``, then change them ``when`` ("scheduled": at once;
     "writing": once the writer has written its first item); the values scheduling saw."""
-    request = _request(tensors, rank, ws, path)
+    request = _request(tensors, rank, ws, path, strategy)
     marker = f"{path}.rank{rank}.first-item"
     if when == "writing":
         request = request._replace(async_fn=SlowWriter(request.async_fn, marker))
@@ -246,3 +247,21 @@ def _records(path: str, rank: int) -> dict[str, int]:
         else:
             counts["other"] += 1
     return counts
+
+
+def nvrx_worker(rank: int, ws: int, root: str, mode: str) -> dict[str, Any]:
+    """nvidia-resiliency-ext's persistent worker (``--async-strategy nvrx``, its default),
+    tensors changed right after scheduling, with ``mode``'s features."""
+    from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
+
+    installed = _install(mode)
+    tensors = _values(rank, 0)
+    queue = AsyncCallsQueue(persistent=True)
+    path = os.path.join(root, "nvrx-persistent-scheduled")
+    expected = _save_and_change(queue, rank, ws, path, tensors, "scheduled", "nvrx")
+    queue.maybe_finalize_async_calls(blocking=True)
+    queue.close()
+    outcome = _judge(path, expected, rank, ws, ())
+    outcome.trainer_shared = sum(t.is_shared() for t in tensors)
+    outcome.notes = {"installed": installed}
+    return {"nvrx-persistent-scheduled": outcome}
