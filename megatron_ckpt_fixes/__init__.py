@@ -7,22 +7,32 @@ feature's name is that module's path inside the package (``"structure"``,
 ``"rerun.sentinel"``), and its module exposes ``PATCHES``. ``install()`` checks everything
 the chosen patches need from upstream before touching anything, then applies them all or
 none; patches whose fix upstream already has (detected from its behaviour) are not applied.
+
+Most features patch megatron-core. A feature for another system (``SYSTEMS``: MLite, NeMo
+Automodel, TorchEasyRec) is applied when that system is imported: at once if it already is,
+right after its first import if it is installed, never where it is not installed
+(``installed()`` says which). Such a feature needs no megatron-core version check.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
+import importlib.util
 import logging
+import sys
 import threading
 from collections.abc import Iterable
 
+from . import _after_import
 from ._patching import Patch, PatchSet
 from .compat.versions import check_supported
 from .errors import MegatronCkptFixesError, UnsupportedVersionError
 
 __version__ = "0.1.0"
-__all__ = ["FEATURES", "OPTIONAL_FEATURES", "MegatronCkptFixesError", "UnsupportedVersionError",
-           "__version__", "install", "installed", "installed_features", "uninstall"]
+__all__ = ["FEATURES", "OPTIONAL_FEATURES", "SYSTEMS", "MegatronCkptFixesError",
+           "UnsupportedVersionError", "__version__", "feature_system", "install", "installed",
+           "installed_features", "uninstall"]
 
 logger = logging.getLogger(__name__)
 
@@ -38,8 +48,12 @@ FEATURES: tuple[str, ...] = (
     "async_worker",
     "compat.rerun_device",
     "dtensor.mcore",
+    "dtensor.mlite",
+    "dtensor.nemo_automodel",
     "snapshot",
+    "snapshot.nvrx",
     "checksums",
+    "reshard.tzrec",
 )
 
 #: Features applied only when named: not checkpoint fixes. ``training.cpu_support`` replaces
@@ -49,9 +63,27 @@ OPTIONAL_FEATURES: tuple[str, ...] = (
     "training.cpu_support",
 )
 
-_lock = threading.Lock()
+#: The package (import name) that a feature patches, for every feature that does not patch
+#: megatron-core. Declared here rather than in the feature's module so that the zero-code
+#: activation can wait for the right import without importing any feature module (they
+#: import torch).
+SYSTEMS: dict[str, str] = {
+    "dtensor.mlite": "megatron.lite",
+    "dtensor.nemo_automodel": "nemo_automodel",
+    "reshard.tzrec": "tzrec",
+    "snapshot.nvrx": "nvidia_resiliency_ext",
+}
+
+#: The system of every feature not in ``SYSTEMS``.
+MEGATRON_CORE = "megatron.core"
+
+# Reentrant: applying a feature imports upstream modules, and such an import may fire the
+# zero-code activation's own install() in this thread.
+_lock = threading.RLock()
 _patches = PatchSet()
 _features: list[str] = []  # chosen by install() calls since the last uninstall()
+_waiting: dict[str, list[str]] = {}  # system -> features applied when it is first imported
+_not_applied: dict[str, str] = {}  # patch name -> why it waits or is not applied
 
 
 def feature_patches(feature: str) -> tuple[Patch, ...]:
@@ -63,13 +95,64 @@ def feature_patches(feature: str) -> tuple[Patch, ...]:
     return patches
 
 
-def _declared(features: Iterable[str]) -> list[Patch]:
-    chosen = list(features)
+def feature_system(feature: str) -> str:
+    """The import name of the package ``feature`` patches (``"megatron.core"`` for most)."""
+    return SYSTEMS.get(feature, MEGATRON_CORE)
+
+
+def _check_known(features: Iterable[str]) -> None:
     known = FEATURES + OPTIONAL_FEATURES
-    unknown = sorted(set(chosen) - set(known))
+    unknown = sorted(set(features) - set(known))
     if unknown:
         raise ValueError(f"unknown features {unknown}; known: {list(known)}")
-    return [patch for name in known if name in chosen for patch in feature_patches(name)]
+
+
+def _declared(features: Iterable[str]) -> list[Patch]:
+    chosen = list(features)
+    _check_known(chosen)
+    return [patch for name in FEATURES + OPTIONAL_FEATURES if name in chosen
+            for patch in feature_patches(name)]
+
+
+def _installable(system: str) -> bool:
+    """Whether ``system`` can be imported here (finding it imports only its parents)."""
+    try:
+        return importlib.util.find_spec(system) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def _wait_for(system: str, features: list[str]) -> None:
+    """Apply ``features`` right after ``system``'s first import."""
+    first = system not in _waiting
+    waiting = _waiting.setdefault(system, [])
+    waiting += [f for f in features if f not in waiting]
+    for patch in _declared(features):
+        if patch.name not in _patches.names():
+            _not_applied[patch.name] = f"waiting: applied when {system} is first imported"
+    if first:
+        _after_import.after_import(system, functools.partial(_apply_waiting, system))
+
+
+def _apply_waiting(system: str) -> None:
+    """Right after ``system``'s first import: its waiting features, all or nothing (an
+    :class:`UnsupportedVersionError` makes that import fail, nothing of them patched)."""
+    with _lock:
+        features = _waiting.pop(system, [])
+        try:
+            applied = _patches.install(_declared(features))
+        except UnsupportedVersionError:
+            for patch in _declared(features):
+                _not_applied[patch.name] = (f"not applied: refused when {system} was imported "
+                                            "(UnsupportedVersionError)")
+            raise
+        for name in applied:
+            _not_applied.pop(name, None)
+            logger.info("megatron_ckpt_fixes: installed %s (after importing %s)", name, system)
+
+
+def _is_waiting_callback(callback: object) -> bool:
+    return isinstance(callback, functools.partial) and callback.func is _apply_waiting
 
 
 def install(features: Iterable[str] | None = None) -> list[str]:
@@ -77,21 +160,49 @@ def install(features: Iterable[str] | None = None) -> list[str]:
     ``OPTIONAL_FEATURES``). Idempotent; calls add up; all or nothing.
 
     Raises :class:`UnsupportedVersionError` before touching anything when megatron-core is
-    outside the supported range or lacks a symbol a chosen patch needs (each one named).
+    outside the supported range (checked only when a megatron-core feature is chosen) or
+    lacks a symbol a chosen patch needs (each one named). A feature of another system
+    (``SYSTEMS``) is applied with the rest if that system is imported, waits for its first
+    import if it is installed (then all of that system's features or none, and a missing
+    symbol fails that import), and is skipped where it is not installed.
     Returns the names of all installed patches.
     """
     chosen = list(FEATURES if features is None else features)
+    _check_known(chosen)
     with _lock:
-        check_supported()
-        for name in _patches.install(_declared(chosen)):
+        now = [f for f in chosen if feature_system(f) == MEGATRON_CORE]
+        if now:
+            check_supported()
+        later: dict[str, list[str]] = {}
+        absent: dict[str, str] = {}  # recorded once the rest is applied: all or nothing
+        for feature in chosen:
+            system = feature_system(feature)
+            if system == MEGATRON_CORE:
+                continue
+            if system in sys.modules:
+                now.append(feature)
+            elif _installable(system):
+                later.setdefault(system, []).append(feature)
+            else:
+                for patch in _declared([feature]):
+                    absent[patch.name] = f"not applied: {system} is not installed"
+        for name in _patches.install(_declared(now)):
+            _not_applied.pop(name, None)
             logger.info("megatron_ckpt_fixes: installed %s", name)
+        _not_applied.update(absent)
+        for system, waiting in later.items():
+            _wait_for(system, waiting)
         _features.extend(f for f in chosen if f not in _features)
         return _patches.names()
 
 
 def uninstall() -> None:
-    """Restore every patched attribute to the exact original object."""
+    """Restore every patched attribute to the exact original object, and forget the
+    features still waiting for their system's import."""
     with _lock:
+        _after_import.cancel(_is_waiting_callback)
+        _waiting.clear()
+        _not_applied.clear()
         _patches.restore_all()
         _features.clear()
 
@@ -104,6 +215,8 @@ def installed_features() -> tuple[str, ...]:
 
 def installed() -> dict[str, str]:
     """Each applied patch with why it is needed, then each chosen patch that was not applied
-    (``"not applied: ..."``: upstream already has the fix here, or an optional one's upstream
-    symbol is missing)."""
-    return _patches.describe()
+    (``"not applied: ..."``: upstream already has the fix here, an optional one's upstream
+    symbol is missing, or its system is not installed; ``"waiting: ..."``: its system is
+    installed but not imported yet)."""
+    with _lock:
+        return {**_patches.describe(), **_not_applied}

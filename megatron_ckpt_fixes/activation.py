@@ -12,25 +12,25 @@ Megatron-LM users launch an unchanged ``pretrain_gpt.py``. Two switches, one mec
   (megatron-core's spawned async checkpoint worker, say) gets the same fixes, and arms the
   same hook in its own process before running the script.
 
-The hook never imports megatron-core itself: it waits on ``sys.meta_path`` until something
-imports ``megatron.core``, lets that import finish, and then calls ``install(features)``. An
-interpreter that never touches megatron-core (a launcher such as torchrun, a tool, a
-data-loader worker) only pays for importing this module; a training script has every fix in
-place before its first line that can reach a checkpoint entry point. A bad value is an error
-at that import, where it matters, not a traceback in every interpreter.
+The hook never imports megatron-core itself: it waits (:mod:`._after_import`) until something
+imports ``megatron.core``, lets that import finish, and then calls ``install(features)``.
+Features of other systems (MLite, NeMo Automodel, TorchEasyRec: ``SYSTEMS``) wait the same
+way for their own package, so a job that never imports megatron-core gets them too and pays
+nothing for megatron-core. An interpreter that imports none of them (a launcher such as
+torchrun, a tool, a data-loader worker) only pays for importing this module; a training
+script has every fix in place before its first line that can reach a checkpoint entry
+point. A bad value is an error at the megatron-core import, where it matters, not a
+traceback in every interpreter.
 """
 
 from __future__ import annotations
 
-import importlib.abc
-import importlib.util
+import functools
 import logging
 import os
-import sys
 from collections.abc import Sequence
-from types import ModuleType
-from typing import Any, Callable
 
+from . import _after_import
 from .errors import MegatronCkptFixesError
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,8 @@ logger = logging.getLogger(__name__)
 #: The environment switch: unset/empty/``0``/``off`` = off; ``1``/``on``/``default`` = the
 #: default features; otherwise a comma-separated list of features (``default`` may be one).
 ENV = "MEGATRON_CKPT_FIXES"
-#: The module whose import completes the activation.
+#: The module whose import installs the megatron-core features (and reports a bad value);
+#: a feature of another system (``megatron_ckpt_fixes.SYSTEMS``) waits for that system.
 TRIGGER = "megatron.core"
 
 _ON = frozenset({"1", "true", "yes", "on", "default"})
@@ -74,67 +75,51 @@ def parse_features(value: str | None) -> tuple[str, ...] | None:
     return tuple(features)
 
 
-def _install(value: str) -> None:
+def _install(features: tuple[str, ...], value: str) -> None:
     import megatron_ckpt_fixes
 
-    features = parse_features(value)
-    if features is None:
-        return
     names = megatron_ckpt_fixes.install(features)
     logger.info("megatron_ckpt_fixes activated (%s=%s): %d patches", ENV, value, len(names))
 
 
-class _RunAfter(importlib.abc.Loader):
-    """Runs the real loader, puts it back on the module, then calls ``then()``."""
-
-    def __init__(self, loader: Any, then: Callable[[], None]) -> None:
-        self.loader = loader
-        self.then = then
-
-    def create_module(self, spec: Any) -> ModuleType | None:
-        return self.loader.create_module(spec)
-
-    def exec_module(self, module: ModuleType) -> None:
-        self.loader.exec_module(module)
-        module.__loader__ = self.loader
-        if module.__spec__ is not None:
-            module.__spec__.loader = self.loader
-        self.then()
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.loader, name)
+def _refuse(error: ActivationError) -> None:
+    raise error
 
 
-class _InstallAfterImport(importlib.abc.MetaPathFinder):
-    """One-shot finder: installs the fixes once :data:`TRIGGER` has been imported."""
+def _is_activation(callback: object) -> bool:
+    return isinstance(callback, functools.partial) and callback.func in (_install, _refuse)
 
-    def __init__(self, value: str) -> None:
-        self.value = value
 
-    def find_spec(self, fullname: str, path: Sequence[str] | None = None,
-                  target: ModuleType | None = None) -> Any:
-        if fullname != TRIGGER:
-            return None
-        disarm()
-        spec = importlib.util.find_spec(fullname)
-        if spec is not None and spec.loader is not None:
-            spec.loader = _RunAfter(spec.loader, lambda: _install(self.value))
-        return spec
+def by_system(features: Sequence[str]) -> dict[str, tuple[str, ...]]:
+    """The features grouped by the package whose import installs them (megatron-core's
+    first), each group in ``features``' order."""
+    from . import MEGATRON_CORE, feature_system
+
+    groups: dict[str, list[str]] = {MEGATRON_CORE: []}
+    for feature in features:
+        groups.setdefault(feature_system(feature), []).append(feature)
+    return {system: tuple(group) for system, group in groups.items() if group}
 
 
 def disarm() -> None:
-    """Remove a pending activation hook (one that has not fired yet)."""
-    sys.meta_path[:] = [f for f in sys.meta_path if not isinstance(f, _InstallAfterImport)]
+    """Remove the pending activation hooks (those that have not fired yet)."""
+    _after_import.cancel(_is_activation)
 
 
 def arm(value: str) -> None:
-    """Install the features ``value`` names (a switch value) once megatron-core is imported;
-    right now if it already is."""
+    """Install the features ``value`` names (a switch value) once their system is imported
+    (megatron-core for most: :data:`TRIGGER`); at once for a system already imported. A bad
+    value fails the megatron-core import."""
     disarm()
-    if TRIGGER in sys.modules:
-        _install(value)
-    else:
-        sys.meta_path.insert(0, _InstallAfterImport(value))
+    try:
+        features = parse_features(value)
+    except ActivationError as error:
+        _after_import.after_import(TRIGGER, functools.partial(_refuse, error))
+        return
+    if features is None:
+        return
+    for system, group in by_system(features).items():
+        _after_import.after_import(system, functools.partial(_install, group, value))
 
 
 def activate_from_environment() -> None:

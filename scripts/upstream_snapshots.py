@@ -1,4 +1,4 @@
-"""Megatron-LM source snapshots for the tests and scripts that need upstream's own files.
+"""Upstream source snapshots for the tests and scripts that need upstream's own files.
 
 CI and the development machines cannot reach GitHub. Megatron-LM's training package
 (``pretrain_gpt.py``, ``megatron/training``), its functional test cases and megatron-core's
@@ -6,6 +6,10 @@ own unit tests come from ``git archive`` tarballs in a snapshots folder (``share
 megatron-lm`` beside the checkout, with a ``SHA256SUMS`` file). This module finds that
 folder, picks the snapshot that matches the installed megatron-core, and extracts it once
 into a cache directory (checked against ``SHA256SUMS`` first).
+
+The systems that are not packaged (MLite, TorchEasyRec: :data:`SETS`) have their snapshot
+folders beside that one (``shared/upstream/megatron-lite``, ``shared/upstream/torcheasyrec``),
+found through the same variable: :func:`snapshot_tree` and :func:`import_root`.
 
 - ``MCF_UPSTREAM_SNAPSHOTS``: the snapshots folder (default: ``../shared/upstream/megatron-lm``
   next to the repository, where CI puts it).
@@ -22,6 +26,7 @@ megatron.core`` would find the snapshot's sources instead of the installed megat
 
     python scripts/upstream_snapshots.py [REF]             # print the extracted tree of REF
     python scripts/upstream_snapshots.py --training [REF]  # ... its training tree
+    python scripts/upstream_snapshots.py --set megatron-lite dev  # MLite's import root
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import os
 import shutil
 import sys
 import tarfile
+from dataclasses import dataclass
 from importlib.metadata import version as installed_version
 from pathlib import Path
 
@@ -49,6 +55,27 @@ TARBALLS: dict[str, str] = {
 #: megatron-core minor release -> the snapshot whose tests and training package match it.
 REF_OF_MINOR: dict[str, str] = {"0.16": "core_v0.16.1", "0.19": "core_v0.19.0",
                                 "0.20": "main"}
+
+
+@dataclass(frozen=True)
+class SnapshotSet:
+    """Snapshots of one unpackaged system, in a folder beside the Megatron-LM one.
+
+    ``tarballs`` maps a ref to its tarball (one top folder inside); ``import_root`` is the
+    folder, inside that top folder, to put on ``sys.path`` to import the system.
+    """
+
+    tarballs: dict[str, str]
+    import_root: str
+
+
+#: Folder name (beside ``megatron-lm``) -> its snapshots; READMEs in each folder.
+SETS: dict[str, SnapshotSet] = {
+    "megatron-lite": SnapshotSet({"dev": "megatron-lm-dev-d48bd6be-experimental-lite.tar.gz",
+                                  "pr61": "mlite-pr61-4b73154f-experimental-lite.tar.gz"},
+                                 "experimental/lite"),
+    "torcheasyrec": SnapshotSet({"head": "torcheasyrec-54cac316.tar.gz"}, ""),
+}
 
 
 class SnapshotMissing(RuntimeError):
@@ -122,14 +149,47 @@ def _extracted(ref: str | None, training_only: bool) -> Path:
     ref = ref or ref_for_installed()
     if ref not in TARBALLS:
         raise SnapshotMissing(f"unknown snapshot {ref!r}; known: {sorted(TARBALLS)}")
-    folder = snapshots_dir()
-    tarball = folder / TARBALLS[ref]
+    return _extract(snapshots_dir(), TARBALLS[ref], ref,
+                    "-training" if training_only else "", training_only)
+
+
+def snapshot_tree(name: str, ref: str) -> Path:
+    """The extracted top folder of snapshot ``ref`` of the system ``name`` (a key of
+    :data:`SETS`), from the folder of that name beside the Megatron-LM snapshots."""
+    if name not in SETS:
+        raise SnapshotMissing(f"unknown snapshot set {name!r}; known: {sorted(SETS)}")
+    tarballs = SETS[name].tarballs
+    if ref not in tarballs:
+        raise SnapshotMissing(f"unknown {name} snapshot {ref!r}; known: {sorted(tarballs)}")
+    folder = snapshots_dir().parent / name
+    if not (folder / "SHA256SUMS").is_file():
+        raise SnapshotMissing(
+            f"no {name} snapshots at {folder} (no SHA256SUMS there): it is the folder beside "
+            f"the Megatron-LM snapshots ({SNAPSHOTS_ENV}={snapshots_dir()}); CI has it as "
+            f"shared/upstream/{name} beside the checkout")
+    tree = _extract(folder, tarballs[ref], f"{name}-{ref}", "", False)
+    tops = [p for p in tree.iterdir() if p.is_dir()]
+    if len(tops) != 1:
+        raise SnapshotMissing(f"{folder / tarballs[ref]} should hold one top folder, "
+                              f"holds {sorted(p.name for p in tops)}")
+    return tops[0]
+
+
+def import_root(name: str, ref: str) -> Path:
+    """The folder to put on ``sys.path`` (``PYTHONPATH``) to import system ``name`` at
+    ``ref`` (MLite: ``experimental/lite``, where ``megatron`` is a namespace package)."""
+    return snapshot_tree(name, ref) / SETS[name].import_root
+
+
+def _extract(folder: Path, name: str, ref: str, suffix: str, training_only: bool) -> Path:
+    """Extract ``folder/name`` once per digest into the cache; return the extracted tree."""
+    tarball = folder / name
     if not tarball.is_file():
         raise SnapshotMissing(f"{tarball} is missing (snapshot {ref})")
     expected = _expected_sha256(folder, tarball.name)
     cache = Path(os.environ.get(CACHE_ENV)
                  or Path.home() / ".cache" / "megatron-ckpt-fixes" / "snapshots")
-    tree = cache / f"{ref}-{expected[:12]}{'-training' if training_only else ''}"
+    tree = cache / f"{ref}-{expected[:12]}{suffix}"
     done = tree / ".extracted"
     if done.is_file():
         return tree
@@ -150,9 +210,13 @@ def _extracted(ref: str | None, training_only: bool) -> Path:
 
 
 if __name__ == "__main__":
-    training = "--training" in sys.argv[1:]
-    refs = [a for a in sys.argv[1:] if a != "--training"]
+    args = sys.argv[1:]
     try:
-        print((training_tree if training else snapshot)(refs[0] if refs else None))
+        if args[:1] == ["--set"] and len(args) == 3:
+            print(import_root(args[1], args[2]))
+        else:
+            training = "--training" in args
+            refs = [a for a in args if a != "--training"]
+            print((training_tree if training else snapshot)(refs[0] if refs else None))
     except SnapshotMissing as exc:
         sys.exit(f"error: {exc}")

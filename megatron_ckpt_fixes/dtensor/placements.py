@@ -12,6 +12,7 @@ from __future__ import annotations
 import math
 from collections.abc import Mapping, Sequence
 
+import torch
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 from torch.distributed.tensor.placement_types import (Partial, Placement, Replicate, Shard,
                                                     _StridedShard)
@@ -166,6 +167,64 @@ def merge_param_sharding(key: str, ckpt_placements: Sequence[Placement],
         split = math.prod(later)
         merged[axis] = _StridedShard(p.dim, split_factor=split) if split > 1 else Shard(p.dim)
     return tuple(merged)
+
+
+def without_trivial_shards(placements: Sequence[Placement],
+                           mesh_shape: Sequence[int]) -> tuple[Placement, ...]:
+    """``placements`` with every shard over a mesh axis of size 1 made ``Replicate``.
+
+    Such a shard splits nothing. Placement functions written for a fixed mesh rank (MLite's
+    ``[PP, DP, CP, TP]``) return ``Shard`` for an axis whose size is 1 in a given run; read
+    literally, the layout would count as sharded, and a parameter that another mesh shards
+    (FSDP2) would be merged into it instead of keeping its own mesh.
+    """
+    return tuple(Replicate() if is_shard_like(p) and size == 1 else p
+                 for p, size in zip(placements, mesh_shape))
+
+
+def axes_of_lines(mesh_ranks: Sequence, coord: Coord,
+                  lines: Sequence[Sequence[int]]) -> tuple[int | None, ...]:
+    """For each rank line, the mesh axis whose ranks through ``coord`` are exactly that
+    line, in order (``None``: no axis).
+
+    ``mesh_ranks`` is the mesh's rank array (a tensor or nested lists). This pairs the axes
+    of a parameter's mesh with those of an unnamed checkpoint mesh: FSDP2's one-axis mesh of
+    the expert-data-parallel group is the line of the checkpoint mesh's expert-dp axis.
+    """
+    axis_lines = lines_through(mesh_ranks, coord)
+    return tuple(next((a for a, line in enumerate(axis_lines) if line == list(target)), None)
+                 for target in lines)
+
+
+def lines_through(mesh_ranks: Sequence, coord: Coord) -> list[list[int]]:
+    """The ranks along each axis of a mesh (its rank array) through ``coord``."""
+    ranks = torch.as_tensor(mesh_ranks)
+    return [ranks[tuple(coord[:a]) + (slice(None),) + tuple(coord[a + 1:])].tolist()
+            for a in range(ranks.ndim)]
+
+
+def shape_from_reference(key: str, local_shape: Sequence[int],
+                         placements: Sequence[Placement], ref_shape: Sequence[int],
+                         ref_placements: Sequence[Placement]) -> Shape:
+    """The global shape of a local tensor made from a reference DTensor's local tensor by
+    local steps only (a transpose or permute, a split or concat along unsharded dims), on the
+    same mesh: a dim that mesh axis ``a`` shards has the reference's global size of the dim
+    axis ``a`` shards there; an unsharded dim is whole on every rank.
+
+    This is what ``DTensor.from_local`` cannot know without ``shape=``: NeMo Automodel's
+    adapters rebuild DTensors after such steps and let it multiply the local size.
+    """
+    if len(placements) != len(ref_placements):
+        raise PlacementError(key, None, f"{len(placements)} placements for a reference with "
+                                        f"{len(ref_placements)}")
+    shape = list(local_shape)
+    for axis, (p, ref) in enumerate(zip(placements, ref_placements)):
+        if is_shard_like(p) != is_shard_like(ref):
+            raise PlacementError(key, None, f"mesh axis {axis} has {p}, the reference {ref}: "
+                                            "not a local transform of the reference")
+        if is_shard_like(p):
+            shape[p.dim] = ref_shape[ref.dim]
+    return tuple(shape)
 
 
 def check_strided_divisible(key: str, global_shape: Sequence[int],

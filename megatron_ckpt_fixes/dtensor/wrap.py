@@ -30,8 +30,8 @@ from torch.distributed.tensor.placement_types import Placement
 from ..agreement import gather
 from .verdict import KeyReport, Problem, RankReport, verdict
 from .errors import LayoutAgreementError, PlacementError
-from .placements import (contiguous_stride, is_sharded, merge_param_sharding,
-                         normalize_placements)
+from .placements import (axes_of_lines, check_local_shapes, contiguous_stride, is_sharded,
+                         lines_through, merge_param_sharding, normalize_placements)
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +68,19 @@ def from_local_exact(local: torch.Tensor, mesh: DeviceMesh, placements: Sequence
                               stride=contiguous_stride(global_shape))
 
 
+def from_local_checked(key: str, local: torch.Tensor, mesh: DeviceMesh,
+                       placements: Sequence[Placement], global_shape: Sequence[int]) -> DTensor:
+    """:func:`from_local_exact` after checking, on this rank alone, that ``local`` is the
+    block torch's chunk rule gives this rank for ``global_shape`` (no collective: a wrong
+    global shape or placement raises :class:`PlacementError` where it is seen)."""
+    rank = dist.get_rank() if dist.is_initialized() else None
+    placements = normalize_placements(key, rank, placements, mesh.ndim, local.ndim)
+    coord = tuple(mesh.get_coordinate())
+    check_local_shapes(key, tuple(global_shape), {coord: tuple(local.shape)}, mesh.shape,
+                       placements, {coord: rank})
+    return from_local_exact(local, mesh, placements, global_shape)
+
+
 def plan_wrap(key: str, value: torch.Tensor, layout: CheckpointLayout, rank: int) -> WrapPlan:
     """Decide, on this rank only, how ``value`` is wrapped for the checkpoint.
 
@@ -89,14 +102,33 @@ def plan_wrap(key: str, value: torch.Tensor, layout: CheckpointLayout, rank: int
         return WrapPlan(local, layout.mesh, placements,
                         layout.global_shape or tuple(value.shape))
     if isinstance(value, DTensor) and is_sharded(value.placements):
-        names = layout.mesh.mesh_dim_names
-        param_names = value.device_mesh.mesh_dim_names
-        if names is None or param_names is None:
-            raise PlacementError(key, rank, "merging a sharded parameter into the checkpoint "
-                                            "layout needs named mesh axes on both meshes")
+        names, param_names = paired_axis_names(key, rank, layout.mesh, value.device_mesh)
         placements = merge_param_sharding(key, placements, names, layout.mesh.shape,
                                           value.placements, param_names)
     return WrapPlan(local, layout.mesh, placements, layout.global_shape)
+
+
+def paired_axis_names(key: str, rank: int, mesh: DeviceMesh, param_mesh: DeviceMesh
+                      ) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Axis names of the checkpoint mesh and of a parameter's mesh under which
+    :func:`merge_param_sharding` pairs them: their own names when both meshes are named.
+
+    A checkpoint mesh without names (MLite builds its meshes so) has its axes named by
+    index, and each parameter axis gets the name of the checkpoint axis whose ranks through
+    this rank are the parameter axis's ranks, in order (an axis that matches none keeps a
+    name that says so, and the merge refuses it).
+    """
+    names, param_names = mesh.mesh_dim_names, param_mesh.mesh_dim_names
+    if names is not None and param_names is not None:
+        return tuple(names), tuple(param_names)
+    if names is not None:
+        raise PlacementError(key, rank, "merging a sharded parameter into a named checkpoint "
+                                        "mesh needs named axes on the parameter's mesh")
+    names = tuple(f"axis {a}" for a in range(mesh.ndim))
+    lines = lines_through(param_mesh.mesh, tuple(param_mesh.get_coordinate()))
+    axes = axes_of_lines(mesh.mesh, tuple(mesh.get_coordinate()), lines)
+    return names, tuple(names[a] if a is not None else f"ranks {line} (no checkpoint axis)"
+                        for a, line in zip(axes, lines))
 
 
 def wrap_state_dict(state_dict: Mapping[str, Any], layouts: Mapping[str, CheckpointLayout],

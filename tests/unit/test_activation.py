@@ -28,12 +28,12 @@ PROBE = """
 import json, sys
 state = {"mcf": "megatron_ckpt_fixes" in sys.modules, "megatron": "megatron" in sys.modules,
          "torch": "torch" in sys.modules,
-         "hooks": [type(f).__name__ for f in sys.meta_path if "Install" in type(f).__name__]}
+         "hooks": [type(f).__name__ for f in sys.meta_path if "AfterImport" in str(type(f))]}
 if "--import" in sys.argv:
     import megatron.core.dist_checkpointing, megatron_ckpt_fixes
     state["installed"] = sorted(megatron_ckpt_fixes.installed())
     state["loader"] = type(megatron.core.__loader__).__name__
-    state["hooks"] = [type(f).__name__ for f in sys.meta_path if "Install" in type(f).__name__]
+    state["hooks"] = [type(f).__name__ for f in sys.meta_path if "AfterImport" in str(type(f))]
 print(json.dumps(state))
 """
 
@@ -65,13 +65,26 @@ def test_unset_or_off_costs_nothing(value):
 
 def test_set_in_an_interpreter_that_never_uses_megatron_core():
     assert _state("1") == {"mcf": True, "megatron": False, "torch": False,
-                           "hooks": ["_InstallAfterImport"]}
+                           "hooks": ["AfterImportFinder"]}
 
 
 def test_set_installs_the_named_features_once_megatron_core_is_imported():
     state = _state("structure,checksums", "--import")
     assert {name.split(".")[0] for name in state["installed"]} == {"structure", "checksums"}
     assert state["hooks"] == [] and state["loader"] == "SourceFileLoader"  # nothing left behind
+
+
+def test_an_explicit_install_beside_the_switch_does_not_deadlock():
+    """install() imports megatron-core to patch it; that import fires the switch's own
+    install() in the same thread, inside the first one (with a plain lock it waited forever:
+    checked on the code before this test)."""
+    done = subprocess.run(
+        [sys.executable, "-c", "import megatron_ckpt_fixes as m; m.install(['checksums']); "
+         "print(sorted({n.split('.')[0] for n in m.installed()}))"],
+        env={**os.environ, ENV: "structure"}, capture_output=True, text=True, timeout=120,
+        cwd="/")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.splitlines()[-1] == "['checksums', 'structure']"  # both, once each
 
 
 def test_a_bad_value_fails_at_the_megatron_core_import():

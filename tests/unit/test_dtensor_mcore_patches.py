@@ -20,8 +20,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Partial
 
 from megatron_ckpt_fixes.dtensor.mcore import DTensorShardingError
-from megatron_ckpt_fixes.dtensor.mcore.importers import (bound_imports, name_aliases,
-                                                         renamed_imports)
+from megatron_ckpt_fixes.importers import bound_imports, name_aliases, renamed_imports
 from megatron_ckpt_fixes.errors import MegatronCkptFixesError
 
 _MC = "megatron.core"

@@ -138,3 +138,21 @@ def test_the_launcher_gets_no_platform(monkeypatch):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.setattr(sys, "argv", ["/tree/pretrain_gpt.py"])
     assert mlm_rank._role() is None
+
+
+@pytest.mark.parametrize("name, ref, witness", [
+    ("megatron-lite", "dev", "megatron/lite/primitive/ckpt/dcp.py"),
+    ("megatron-lite", "pr61", "megatron/lite/primitive/ckpt/dcp.py"),
+    ("torcheasyrec", "head", "tzrec/utils/checkpoint_util.py"),
+])
+def test_the_systems_snapshots_are_found_beside_megatron_lms(name, ref, witness):
+    assert (upstream_snapshots.import_root(name, ref) / witness).is_file()
+
+
+def test_a_missing_systems_snapshot_folder_fails_naming_it(tmp_path, monkeypatch):
+    (tmp_path / "megatron-lm").mkdir()
+    (tmp_path / "megatron-lm" / "SHA256SUMS").write_text("")
+    monkeypatch.setenv(upstream_snapshots.SNAPSHOTS_ENV, str(tmp_path / "megatron-lm"))
+    with pytest.raises(upstream_snapshots.SnapshotMissing,
+                       match=f"no torcheasyrec snapshots at {tmp_path / 'torcheasyrec'}"):
+        upstream_snapshots.import_root("torcheasyrec", "head")

@@ -18,8 +18,9 @@ def main() -> None:
     from megatron_ckpt_fixes._patching import not_needed_reason, requirement_problems
 
     patches = {}
-    for patch in megatron_ckpt_fixes._declared(megatron_ckpt_fixes.FEATURES +
-                                               megatron_ckpt_fixes.OPTIONAL_FEATURES):
+    core = [f for f in megatron_ckpt_fixes.FEATURES + megatron_ckpt_fixes.OPTIONAL_FEATURES
+            if megatron_ckpt_fixes.feature_system(f) == megatron_ckpt_fixes.MEGATRON_CORE]
+    for patch in megatron_ckpt_fixes._declared(core):
         reason = not_needed_reason(patch)
         patches[patch.name] = {"not_needed": reason,
                                "missing": [] if reason else requirement_problems(patch)}

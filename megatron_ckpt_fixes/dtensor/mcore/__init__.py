@@ -4,8 +4,8 @@ Reading order: :mod:`.layout` (pure: a DTensor's block composed with megatron's 
 parallelism and prepended axes) -> :mod:`.helpers` (the two ``megatron.core.utils`` helpers
 every layer's ``sharded_state_dict`` calls) -> :mod:`.experts` (``SequentialMLP``'s replica
 ids) -> :mod:`.checkpointable` (uneven chunks with prepended axes reach DCP whole) ->
-:mod:`.importers` (which modules hold the helpers by name, read from the installed
-source). The sharding validation of the irregular grids this produces (uneven, empty
+:mod:`megatron_ckpt_fixes.importers` (which modules hold the helpers by name, read from
+the installed source). The sharding validation of the irregular grids this produces (uneven, empty
 shards) is chunk-exact: :mod:`megatron_ckpt_fixes.structure.integrity`.
 """
 
@@ -17,7 +17,7 @@ from ..._patching import Patch
 from .checkpointable import prepended_axes_kept, upstream_handles_prepended_axes
 from .experts import mesh_replicas_kept
 from .helpers import DTensorShardingError, dtensor_aware, signature_problems
-from .importers import bound_imports, name_aliases, renamed_imports
+from ...importers import bound_imports, name_aliases, renamed_imports
 
 _UTILS = "megatron.core.utils"
 _CHECKPOINTABLE = "megatron.core.dist_checkpointing.strategies.checkpointable"

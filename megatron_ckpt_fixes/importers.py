@@ -1,4 +1,6 @@
-"""Which modules of a package bind a function by name when they are imported.
+"""Which modules of a package bind a function by name when they are imported (used by the
+features that patch a function some modules imported by name: megatron-core's checkpoint
+helpers, NeMo Automodel's expert split).
 
 A module that did ``from megatron.core.utils import make_tp_sharded_tensor_for_checkpoint``
 holds its own reference to the function: patching ``megatron.core.utils`` alone would miss
