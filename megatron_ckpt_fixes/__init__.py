@@ -50,6 +50,8 @@ FEATURES: tuple[str, ...] = (
     "dtensor.mcore",
     "dtensor.mlite",
     "dtensor.nemo_automodel",
+    "snapshot",
+    "snapshot.nvrx",
     "checksums",
     "reshard.tzrec",
 )
@@ -69,6 +71,7 @@ SYSTEMS: dict[str, str] = {
     "dtensor.mlite": "megatron.lite",
     "dtensor.nemo_automodel": "nemo_automodel",
     "reshard.tzrec": "tzrec",
+    "snapshot.nvrx": "nvidia_resiliency_ext",
 }
 
 #: The system of every feature not in ``SYSTEMS``.

@@ -14,6 +14,15 @@ as soon as ``write`` returns.
 
 Without an open batch (``_write_item`` called from anywhere else) the tap hashes each piece
 inline as it passes, with the same result.
+
+The checksum is of the bytes in the file because the memory it is taken from is the buffer the
+writer wrote, and that buffer does not change until the writer returns: on an asynchronous
+save it is the snapshot's staging copy (:mod:`megatron_ckpt_fixes.snapshot`; on the forked
+path, private memory the fork froze), a GPU tensor's host copy, or, on a synchronous save, the
+trainer's tensor while the trainer waits for the writer. Hashed from a tensor the trainer
+still changes (an asynchronous save without the snapshot), a checksum would certify a save
+torn before the write and fail one changed between the write and the hash; the snapshot's
+tests check both (tests/functional/test_async_snapshot.py).
 """
 
 from __future__ import annotations

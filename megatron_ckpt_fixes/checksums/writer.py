@@ -20,6 +20,18 @@ which, :mod:`.hashing` how):
   (:mod:`.record`) from the same results just before ``.metadata``, so the two describe the
   same save by construction and no extra collective is needed.
 
+torch.save also computes a CRC-32 of every record it writes (about half of the writer's CPU
+time here: ``python benchmarks/bench_realistic_save.py``), which nothing ever checks:
+``torch.load`` and megatron-core read records without it. The item's checksum replaces it: a
+record this writer serializes *and* checksums is written without torch's CRC-32 (its zip
+entries carry 0; zip tools report them as bad CRCs, torch and every megatron-core release load
+them bitwise). ``torch.serialization.set_crc32_options`` is process-wide, so the switch is
+scoped instead: ``get_crc32_options`` (which torch asks when it opens a record) answers False
+only to the thread that is inside this writer's ``_write_item`` for an item whose checksum it
+will record; every other thread, and every ``torch.save`` outside the writer, keeps the
+user's setting. That holds wherever the writer runs: the trainer's thread (a synchronous
+save), a forked writer process or its threads, the persistent worker.
+
 A checkpoint saved without this feature has no record and loads as before.
 """
 
@@ -33,7 +45,9 @@ import logging
 import os
 import pickle
 import tempfile
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from typing import Any, Callable
 
 import torch
@@ -88,6 +102,36 @@ def _write_all(stream: Any, view: memoryview) -> None:
         view = view[stream.write(view):]
 
 
+_record = threading.local()
+
+
+@contextmanager
+def _without_torch_crc32(transforms: Any) -> Iterator[None]:
+    """torch's CRC-32 off for the records this thread serializes in the block, unless a
+    stream transform (compression, ...) puts the bytes somewhere the checksum cannot vouch
+    for."""
+    if getattr(transforms, "extensions", ()):
+        yield
+        return
+    outer = getattr(_record, "checksummed", False)
+    _record.checksummed = True
+    try:
+        yield
+    finally:
+        _record.checksummed = outer
+
+
+def crc32_unless_checksummed(original: Callable[[], bool]) -> Callable[[], bool]:
+    """Wrap ``torch.serialization.get_crc32_options``: False inside this writer's checksummed
+    records (this thread only), the user's setting everywhere else."""
+
+    @functools.wraps(original)
+    def get_crc32_options() -> bool:
+        return False if getattr(_record, "checksummed", False) else original()
+
+    return get_crc32_options
+
+
 def checksummed_write_item(original: Callable[..., WriteResult]) -> Callable[..., WriteResult]:
     """Wrap torch's ``_write_item`` so its result carries the checksum of the bytes written
     (at once, or when the writer's batch resolves)."""
@@ -106,10 +150,13 @@ def checksummed_write_item(original: Callable[..., WriteResult]) -> Callable[...
     def _write_item(*args: Any, **kwargs: Any) -> WriteResult:
         stream = argument(args, kwargs, stream_at, "stream")
         data = argument(args, kwargs, data_at, "data")
+        transforms = (argument(args, kwargs, names.index("transforms"), "transforms")
+                      if "transforms" in names else None)
         if _nbytes(data) <= BUFFER_LIMIT:
             buffer = io.BytesIO()
             new_args, new_kwargs = replaced(args, kwargs, stream_at, "stream", buffer)
-            result = original(*new_args, **new_kwargs)
+            with _without_torch_crc32(transforms):
+                result = original(*new_args, **new_kwargs)
             start = stream.tell()
             with buffer.getbuffer() as view:
                 checksum, written = hash_pieces([view]), view.nbytes
@@ -122,7 +169,8 @@ def checksummed_write_item(original: Callable[..., WriteResult]) -> Callable[...
         batch = current_batch()
         tap = ItemTap(stream, owned_memory(data), deferred=batch is not None)
         new_args, new_kwargs = replaced(args, kwargs, stream_at, "stream", tap)
-        result = original(*new_args, **new_kwargs)
+        with _without_torch_crc32(transforms):
+            result = original(*new_args, **new_kwargs)
         info = result.storage_data
         out = with_checksum(WriteResult(result.index, result.size_in_bytes, info), None)
         if tap.count != info.length:  # bytes went elsewhere (a transform): nothing to vouch for
@@ -210,6 +258,20 @@ def recording_finish(original: Callable[..., None]) -> Callable[..., None]:
 
 # -- what the patches rely on ------------------------------------------------------------------
 
+def _crc32_problems() -> list[str]:
+    """torch must ask ``get_crc32_options`` by name whenever it opens a record for writing."""
+    import torch.serialization as serialization
+
+    writers = [getattr(serialization, name, None) for name in
+               ("_open_zipfile_writer_file", "_open_zipfile_writer_buffer")]
+    if any(w is None for w in writers):
+        return ["torch.serialization has no _open_zipfile_writer_file/_buffer: where torch "
+                "decides on its CRC-32 is unknown"]
+    return [f"torch.serialization.{w.__name__} no longer asks get_crc32_options: the writer's "
+            "records would keep torch's CRC-32" for w in writers
+            if "get_crc32_options" not in w.__init__.__code__.co_names]
+
+
 def _write_item_problems() -> list[str]:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
@@ -273,6 +335,15 @@ PATCHES: tuple[Patch, ...] = (
         probes=(_write_item_problems,),
         why="every saved item's bytes get a checksum (xxh3_64), taken where megatron-core "
             "writes them",
+    ),
+    Patch(
+        name="checksums.torch_crc32",
+        target="torch.serialization",
+        attr="get_crc32_options",
+        build=crc32_unless_checksummed,
+        probes=(_crc32_problems,),
+        why="the records the writer checksums skip torch's unchecked CRC-32 (this thread "
+            "only; every other torch.save keeps the user's setting)",
     ),
     Patch(
         name="checksums.file_write",

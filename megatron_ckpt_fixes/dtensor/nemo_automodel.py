@@ -36,6 +36,7 @@ Whether an upstream function already does the right thing is probed with stand-i
 from __future__ import annotations
 
 import functools
+import importlib.util
 import logging
 import re
 from typing import Any
@@ -348,7 +349,10 @@ def upstream_gemma4_keeps_shards() -> str | None:
 # ----------------------------------------------------------------- the patches
 #: Which NeMo Automodel modules bind the shared helpers by name (read from its source).
 _SHARED = ("get_expert_slice_for_rank", "split_experts_weights_dtensor_aware")
-_IMPORTS = bound_imports(PACKAGE, UTILS, _SHARED)
+# Where NeMo Automodel is not installed the feature is never applied (install() says so), but
+# its patches are still declared: this module must import without the package.
+_IMPORTS = (bound_imports(PACKAGE, UTILS, _SHARED) if importlib.util.find_spec(PACKAGE)
+            else {name: () for name in _SHARED})
 
 
 def _shared_patch(attr: str, build: Any, not_needed: Any, why: str) -> Patch:

@@ -14,9 +14,13 @@
   by the ranks that hold the losses: the last pipeline stage).
 - At exit, each process writes the CUDA call sites it mapped to
   ``MCF_MLM_SITES_DIR/cuda_sites-<role>-<pid>.json``.
+- With ``MCF_MLM_CKPT_WRITE_DELAY_S``, megatron-core's checkpoint workers wait that long
+  before writing each item (torch's ``_write_item`` as ``filesystem_async`` calls it): a
+  writer as slow as a large model's, on a tiny CPU model, so the next training steps land
+  while an asynchronous save is still being written.
 
 Environment: ``MCF_MLM_TREE`` (the Megatron-LM training tree; its presence switches all of
-this on), ``MCF_MLM_LOSS_LOG``, ``MCF_MLM_SITES_DIR``.
+this on), ``MCF_MLM_LOSS_LOG``, ``MCF_MLM_SITES_DIR``, ``MCF_MLM_CKPT_WRITE_DELAY_S``.
 """
 
 from __future__ import annotations
@@ -33,6 +37,9 @@ from typing import Any, Callable
 TREE_ENV = "MCF_MLM_TREE"
 LOSS_LOG_ENV = "MCF_MLM_LOSS_LOG"
 SITES_DIR_ENV = "MCF_MLM_SITES_DIR"
+WRITE_DELAY_ENV = "MCF_MLM_CKPT_WRITE_DELAY_S"
+#: The module whose ``_write_item`` the delay slows down (in the checkpoint workers).
+WRITER_MODULE = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 #: The module whose ``training_log`` is wrapped.
 TRAINING_MODULE = "megatron.training.training"
 
@@ -89,6 +96,19 @@ def _record_losses(module: ModuleType) -> None:
     module.training_log = _recording(module.training_log, Path(os.environ[LOSS_LOG_ENV]))
 
 
+def _slow_writes(module: ModuleType) -> None:
+    import time
+
+    delay, write_item = float(os.environ[WRITE_DELAY_ENV]), module._write_item
+
+    @functools.wraps(write_item)  # the writer reads its signature
+    def slow_write_item(*args: Any, **kwargs: Any) -> Any:
+        time.sleep(delay)
+        return write_item(*args, **kwargs)
+
+    module._write_item = slow_write_item
+
+
 def start() -> None:
     """Open the platform (ranks and their workers), arm the loss record (ranks), dump the
     CUDA call sites at exit."""
@@ -104,3 +124,5 @@ def start() -> None:
         atexit.register(training_platform.write_sites, out)
     if not spawned and os.environ.get(LOSS_LOG_ENV):
         after_import(TRAINING_MODULE, _record_losses)
+    if spawned and os.environ.get(WRITE_DELAY_ENV):
+        after_import(WRITER_MODULE, _slow_writes)

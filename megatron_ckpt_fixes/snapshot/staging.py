@@ -1,0 +1,123 @@
+"""Staging buffers for asynchronous checkpoint snapshots, kept across saves.
+
+A snapshot copies a CPU tensor into a buffer that nothing but the writer reads until the save
+is finalized. The buffers are kept across saves, as pinned host buffers are for a GPU's
+device-to-host copy: a steady-state save allocates nothing, it copies into the buffers of an
+earlier save.
+
+A buffer is one untyped storage per tensor, of exactly the tensor's size: ``torch.save``
+writes a tensor's whole storage, and megatron-core clones a CPU tensor whose storage is larger
+than the tensor (a view), so a slice of a shared arena would be written whole or copied
+twice.
+
+A set of buffers belongs to one save from :meth:`StagingPool.acquire` until
+:meth:`StagingPool.release` (the save's first finalize step: its writer has returned on every
+rank by then). A save scheduled while an earlier one is still being written gets another set:
+the pool double-buffers instead of waiting, so scheduling never blocks on a writer, and the
+extra memory is one set per save in flight. A set whose save never finalizes (its writer died)
+is simply never returned and is freed with the request.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class SnapshotStats:
+    """What the snapshots of this process cost (the benchmark prints them)."""
+
+    saves: int = 0  # snapshots taken
+    tensors: int = 0  # tensors copied, all saves
+    bytes_copied: int = 0  # all saves
+    copy_s: float = 0.0  # trainer time spent copying, all saves
+    bytes_allocated: int = 0  # staging memory ever allocated (steady state: stops growing)
+    last_bytes: int = 0  # bytes copied by the last snapshot
+    last_copy_s: float = 0.0  # trainer time of the last snapshot
+
+
+@dataclass
+class StagingSet:
+    """The buffers of one save, in the order that save's tensors were staged."""
+
+    shared: bool
+    buffers: list[torch.UntypedStorage] = field(default_factory=list)
+    used: int = 0  # buffers handed out by the save that holds this set
+
+    def buffer(self, nbytes: int) -> tuple[torch.UntypedStorage, int]:
+        """The next buffer of exactly ``nbytes`` (reused when the earlier save's tensor at
+        this position had the same size), and how many bytes had to be allocated for it."""
+        at, self.used = self.used, self.used + 1
+        if at < len(self.buffers) and self.buffers[at].nbytes() == nbytes:
+            return self.buffers[at], 0
+        storage = (torch.UntypedStorage._new_shared(nbytes) if self.shared
+                   else torch.UntypedStorage(nbytes))
+        if at < len(self.buffers):
+            self.buffers[at] = storage
+        else:
+            self.buffers.append(storage)
+        return storage, nbytes
+
+
+def staged_copy(tensor: torch.Tensor, storage: torch.UntypedStorage) -> torch.Tensor:
+    """``tensor``'s values in ``storage`` (contiguous, same dtype and shape)."""
+    staged = torch.empty(0, dtype=tensor.dtype).set_(storage, 0, tensor.shape)
+    staged.copy_(tensor.detach())
+    return staged
+
+
+class StagingPool:
+    """The sets of staging buffers of this process, free or held by a save in flight."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._free: list[StagingSet] = []
+        self.stats = SnapshotStats()
+
+    def acquire(self, shared: bool) -> StagingSet:
+        """A set no writer reads: a free one (in shared memory if ``shared``), or a new one."""
+        with self._lock:
+            for i, candidate in enumerate(self._free):
+                if candidate.shared == shared:
+                    staging = self._free.pop(i)
+                    staging.used = 0
+                    return staging
+        return StagingSet(shared)
+
+    def release(self, staging: StagingSet) -> None:
+        """The save holding ``staging`` was finalized: its writer no longer reads it."""
+        with self._lock:
+            del staging.buffers[staging.used:]  # what this save did not need
+            self._free.append(staging)
+
+    def copy(self, staging: StagingSet, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Copies of ``tensors`` in ``staging``'s buffers, timed and counted."""
+        start = time.perf_counter()
+        allocated = copied = 0
+        out = []
+        for tensor in tensors:
+            nbytes = tensor.numel() * tensor.element_size()
+            storage, new = staging.buffer(nbytes)
+            out.append(staged_copy(tensor, storage))
+            allocated, copied = allocated + new, copied + nbytes
+        elapsed = time.perf_counter() - start
+        with self._lock:
+            s = self.stats
+            s.saves, s.tensors = s.saves + 1, s.tensors + len(tensors)
+            s.bytes_copied, s.copy_s = s.bytes_copied + copied, s.copy_s + elapsed
+            s.bytes_allocated += allocated
+            s.last_bytes, s.last_copy_s = copied, elapsed
+        return out
+
+    def held_bytes(self) -> int:
+        """Bytes of the free sets (the sets of saves in flight are held by their requests)."""
+        with self._lock:
+            return sum(b.nbytes() for s in self._free for b in s.buffers)
+
+
+#: This process's staging buffers.
+POOL = StagingPool()

@@ -1,0 +1,57 @@
+"""nvidia-resiliency-ext's asynchronous save (``--async-strategy nvrx``, megatron-core 0.19+'s
+default) is a snapshot with the fixes, and torn without them (issue 22, item 1).
+
+Needs nvidia-resiliency-ext unpacked by ``bash scripts/install_nvrx_cpu.sh`` (pip cannot
+install it on glibc < 2.39) and megatron-core >= 0.19 (0.16 has no ``async_strategy``); the
+test's processes get it on their path and the suite's CPU platform (tests/functional/nvrx_env:
+its writer and worker call ``torch.cuda``). Upstream twin: its persistent worker writes the
+next step's values into every tensor and moves the trainer's tensors into shared memory.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+from pathlib import Path
+
+import pytest
+from snapshot_scenarios import nvrx_worker
+
+from megatron_ckpt_fixes.testing import run_ranks
+
+REPO = Path(__file__).resolve().parents[2]
+NVRX = REPO / ".venv-nvrx-cpu"
+ENV = Path(__file__).resolve().parent / "nvrx_env"
+
+
+def _megatron_has_nvrx_strategy() -> bool:
+    from megatron.core import dist_checkpointing as dc
+
+    return "async_strategy" in inspect.signature(dc.save).parameters
+
+
+pytestmark = [
+    pytest.mark.timeout(600),
+    pytest.mark.skipif(not NVRX.is_dir(), reason="nvidia-resiliency-ext not unpacked: "
+                       "bash scripts/install_nvrx_cpu.sh"),
+    pytest.mark.skipif(not _megatron_has_nvrx_strategy(),
+                       reason="this megatron-core has no async_strategy (nvrx is 0.19+'s)"),
+]
+
+
+def _run(tmp_path, monkeypatch, mode: str) -> list:
+    path = os.pathsep.join(filter(None, [str(NVRX), str(ENV), os.environ.get("PYTHONPATH")]))
+    monkeypatch.setenv("PYTHONPATH", path)
+    monkeypatch.setenv("MCF_NVRX_CPU", "1")
+    return [r.value["nvrx-persistent-scheduled"]
+            for r in run_ranks(nvrx_worker, 2, str(tmp_path), mode, timeout_s=500)]
+
+
+def test_nvrx_persistent_save_upstream_writes_the_next_steps_values(tmp_path, monkeypatch):
+    for rank, outcome in enumerate(_run(tmp_path, monkeypatch, "upstream")):
+        assert outcome.torn > 0 and outcome.trainer_shared == 8, (rank, outcome)
+
+
+def test_nvrx_persistent_save_is_a_snapshot_with_the_fixes(tmp_path, monkeypatch):
+    for rank, outcome in enumerate(_run(tmp_path, monkeypatch, "fixed")):
+        assert outcome.torn == 0 and outcome.trainer_shared == 0, (rank, outcome)

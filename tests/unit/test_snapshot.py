@@ -1,0 +1,229 @@
+"""The snapshot of an asynchronous save's request, on real megatron-core requests (one rank).
+
+Each check runs against the fix and against a trivial wrong fix, which it must catch: a copy
+made only on the first save (buffers reused, never refreshed), a copy skipped when "nobody
+else holds" the bucket's tensor (its Python refcount: megatron-core's bucket holds a fresh
+``detach()`` of the trainer's tensor, with the trainer's storage), and a staging buffer handed
+to a second save while the first one's writer may still read it.
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import sys
+
+import pytest
+import torch
+
+from megatron_ckpt_fixes import snapshot
+from megatron_ckpt_fixes.snapshot.staging import StagingPool, StagingSet, staged_copy
+
+ELEMENTS = 64
+_SAVES = itertools.count()
+
+
+@pytest.fixture
+def cpu_world(single_rank_group):
+    """A one-rank gloo world with plain megatron-core made runnable on CPU."""
+    import megatron_ckpt_fixes
+
+    megatron_ckpt_fixes.install(["compat.cpu"])
+    yield
+    megatron_ckpt_fixes.uninstall()
+
+
+def _request(tmp_path, tensors: list[torch.Tensor], name: str):
+    from megatron.core import dist_checkpointing as dc
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    path = tmp_path / f"{name}-{next(_SAVES)}"
+    path.mkdir()
+    sd = {f"t{i}": ShardedTensor.from_rank_offsets(f"t{i}", t) for i, t in enumerate(tensors)}
+    kwargs = ({"async_strategy": "mcore"}
+              if "async_strategy" in inspect.signature(dc.save).parameters else {})
+    return dc.save(sd, str(path), async_sharded_save=True, **kwargs)
+
+
+def _written(request) -> list[torch.Tensor]:
+    """What the writer would write: the tensors after the request's own preload step."""
+    buckets = request.preload_fn()
+    assert buckets is not None
+    return [t for _, _, (_, tensors) in buckets for _, t in tensors]
+
+
+def _release(request) -> None:
+    """The request's first finalize step (the writer has returned on every rank)."""
+    request.finalize_fns[0]()
+
+
+def _values(salt: float) -> list[torch.Tensor]:
+    return [torch.arange(ELEMENTS, dtype=torch.float32) + 100 * i + salt for i in range(3)]
+
+
+def _sorted(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    return sorted(tensors, key=lambda t: float(t[0]))
+
+
+def check_copies_every_save(tmp_path, pool: StagingPool) -> None:
+    """Save, finalize, change, save again: each request writes its own moment's values."""
+    tensors = _values(0.0)
+    for step in range(3):
+        request = snapshot.snapshot_request(_request(tmp_path, tensors, f"s{step}"), False, pool)
+        expected = [t.clone() for t in tensors]
+        for t in tensors:
+            t.add_(1.0)
+        for got, want in zip(_sorted(_written(request)), expected):
+            assert torch.equal(got, want), f"save {step} wrote other values"
+        _release(request)
+
+
+def check_two_saves_in_flight(tmp_path, pool: StagingPool) -> None:
+    """A second save scheduled before the first is finalized: the first's buffers keep the
+    first moment's values."""
+    tensors = _values(0.0)
+    first = snapshot.snapshot_request(_request(tmp_path, tensors, "a"), False, pool)
+    expected = [t.clone() for t in tensors]
+    for t in tensors:
+        t.add_(1.0)
+    second = snapshot.snapshot_request(_request(tmp_path, tensors, "b"), False, pool)
+    for got, want in zip(_sorted(_written(first)), expected):
+        assert torch.equal(got, want), "the second save overwrote a buffer the first reads"
+    for got, want in zip(_sorted(_written(second)), tensors):
+        assert torch.equal(got, want)
+    _release(first)
+    _release(second)
+
+
+class FirstOnlyPool(StagingPool):
+    """Wrong: copies into a buffer only when it is allocated (the first save)."""
+
+    def copy(self, staging: StagingSet, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        out = []
+        for tensor in tensors:
+            storage, new = staging.buffer(tensor.numel() * tensor.element_size())
+            if new:
+                out.append(staged_copy(tensor, storage))
+            else:
+                out.append(torch.empty(0, dtype=tensor.dtype).set_(storage, 0, tensor.shape))
+        return out
+
+
+class SingleSetPool(StagingPool):
+    """Wrong: one set of buffers, handed out again while a save still holds it."""
+
+    def acquire(self, shared: bool) -> StagingSet:
+        if not hasattr(self, "only"):
+            self.only = StagingSet(shared)
+        self.only.used = 0
+        return self.only
+
+    def release(self, staging: StagingSet) -> None:
+        pass
+
+
+def test_every_save_writes_its_own_moment(cpu_world, tmp_path):
+    check_copies_every_save(tmp_path, StagingPool())
+
+
+def test_copy_only_on_the_first_save_is_caught(cpu_world, tmp_path):
+    with pytest.raises(AssertionError, match="save 1 wrote other values"):
+        check_copies_every_save(tmp_path, FirstOnlyPool())
+
+
+def test_skipping_tensors_nobody_else_holds_is_caught(cpu_world, tmp_path, monkeypatch):
+    """megatron-core's bucket holds ``tensor.detach()``: a new tensor object that only the
+    bucket references, sharing the trainer's storage."""
+    # Calibrate: how many references a tensor that only the request holds has there.
+    seen: list[int] = []
+    monkeypatch.setattr(snapshot, "needs_copy",
+                        lambda tensor, forked: seen.append(sys.getrefcount(tensor)) or True)
+    snapshot.snapshot_request(_request(tmp_path, _values(0.0), "calibrate"), False,
+                              StagingPool())
+    alone = min(seen)
+    monkeypatch.setattr(snapshot, "needs_copy",
+                        lambda tensor, forked: sys.getrefcount(tensor) > alone)
+    with pytest.raises(AssertionError, match="save 0 wrote other values"):
+        check_copies_every_save(tmp_path, StagingPool())
+
+
+def test_two_saves_in_flight_get_two_sets(cpu_world, tmp_path):
+    pool = StagingPool()
+    check_two_saves_in_flight(tmp_path, pool)
+    assert pool.stats.bytes_allocated == 2 * 3 * ELEMENTS * 4  # double-buffered, then kept
+    check_two_saves_in_flight(tmp_path, pool)
+    assert pool.stats.bytes_allocated == 2 * 3 * ELEMENTS * 4
+
+
+def test_reusing_a_buffer_a_pending_writer_reads_is_caught(cpu_world, tmp_path):
+    with pytest.raises(AssertionError, match="overwrote a buffer the first reads"):
+        check_two_saves_in_flight(tmp_path, SingleSetPool())
+
+
+def test_buffers_are_kept_across_saves(cpu_world, tmp_path):
+    pool = StagingPool()
+    tensors = _values(0.0)
+    first = snapshot.snapshot_request(_request(tmp_path, tensors, "a"), False, pool)
+    pointers = {t.data_ptr() for t in _written(first)}
+    _release(first)
+    second = snapshot.snapshot_request(_request(tmp_path, tensors, "b"), False, pool)
+    assert {t.data_ptr() for t in _written(second)} == pointers
+    assert all(t.is_shared() for t in _written(second))  # for the persistent worker's pickle
+    assert pool.stats.saves == 2 and pool.stats.bytes_allocated == 3 * ELEMENTS * 4
+
+
+def test_the_forked_path_copies_only_what_the_fork_does_not_freeze(cpu_world,
+                                                                   tmp_path):
+    private, shared = _values(0.0), [t.share_memory_() for t in _values(5.0)]
+    request = _request(tmp_path, private, "private")
+    assert snapshot.snapshot_request(request, True, StagingPool()) is request
+    staged = snapshot.snapshot_request(_request(tmp_path, shared, "shared"), True, StagingPool())
+    for got in _written(staged):
+        assert not got.is_shared()  # private: the fork's copy-on-write freezes it
+        assert all(got.data_ptr() != t.data_ptr() for t in shared)
+
+
+def test_upstream_does_not_snapshot_and_the_probe_sees_a_copy(monkeypatch):
+    """Detected from upstream's preload step, never from a version."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        FileSystemWriterAsync)
+
+    assert snapshot.upstream_snapshots() is None  # every supported release
+    original = FileSystemWriterAsync.preload_tensors
+
+    def copying(buckets, non_blocking=True):
+        return [(f, k, (b, [(i, t.clone()) for i, t in ts]))
+                for f, k, (b, ts) in original(buckets, non_blocking)]
+
+    monkeypatch.setattr(FileSystemWriterAsync, "preload_tensors", staticmethod(copying))
+    assert "already copies" in snapshot.upstream_snapshots()
+
+
+def test_an_unknown_request_passes_unchanged(caplog):
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncRequest
+
+    request = AsyncRequest(print, (1, 2), [])
+    assert snapshot.snapshot_request(request, False) is request
+    assert "without a snapshot" in caplog.text
+
+
+def test_only_cpu_tensors_are_copied():
+    """A device tensor is copied to host memory by upstream's own preload step before the
+    trainer is released (once: not again here); a CPU-resident one (optimizer CPU offload
+    on a GPU machine) needs the copy on the persistent path."""
+    device_tensor = torch.empty(4, device="meta")  # stands in for a GPU tensor on CPU
+    assert not snapshot.needs_copy(device_tensor, forked=False)
+    assert not snapshot.needs_copy(device_tensor, forked=True)
+    assert snapshot.needs_copy(torch.zeros(4), forked=False)
+    assert not snapshot.needs_copy(torch.zeros(4), forked=True)
+    assert snapshot.needs_copy(torch.zeros(4).share_memory_(), forked=True)
+
+
+def test_an_older_request_type_passes_unchanged():
+    """megatron-core still accepts requests of an older layout (local checkpointing's):
+    without a preload step there is nothing of the writer's to recognise."""
+    from collections import namedtuple
+
+    Old = namedtuple("Old", ["async_fn", "async_fn_args", "finalize_fns"])
+    request = Old(None, (), [])
+    assert snapshot.snapshot_request(request, False) is request
