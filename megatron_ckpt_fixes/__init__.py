@@ -179,7 +179,7 @@ def install(features: Iterable[str] | None = None) -> list[str]:
             system = feature_system(feature)
             if system == MEGATRON_CORE:
                 continue
-            if system in sys.modules:
+            if sys.modules.get(system) is not None:  # None: its import is blocked
                 now.append(feature)
             elif _installable(system):
                 later.setdefault(system, []).append(feature)

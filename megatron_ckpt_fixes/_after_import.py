@@ -82,7 +82,7 @@ def _leave() -> None:
 
 def after_import(module: str, callback: Callback) -> None:
     """Run ``callback`` right after ``module`` is first imported; at once if it already is."""
-    if module in sys.modules:
+    if sys.modules.get(module) is not None:
         callback()
         return
     finder = _finder()

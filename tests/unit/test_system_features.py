@@ -15,6 +15,8 @@ the real systems have their own tests through the real code).
 from __future__ import annotations
 
 import importlib
+import json
+import subprocess
 import sys
 import types
 from itertools import count
@@ -135,3 +137,26 @@ def test_the_activation_waits_per_system(system):
     assert _after_import.pending() == {package: 1}
     assert _answer_as_imported(package) == 2
     assert _after_import.pending() == {}
+
+
+def test_the_default_install_works_where_no_system_is_installed():
+    """The users of megatron-core alone: every system feature's module imports without its
+    system (its patches are declared all the same) and install() names each as not installed.
+    (dtensor.nemo_automodel once read NeMo Automodel's source at import: every install()
+    without NeMo Automodel raised ImportError.)"""
+    systems = sorted(set(megatron_ckpt_fixes.SYSTEMS.values()))
+    probe = ("import json, sys\n"
+             f"for name in {systems!r}:\n"
+             "    sys.modules[name] = None  # as if not installed\n"
+             "import megatron_ckpt_fixes as m\n"
+             "m.install()\n"
+             "print(json.dumps(m.installed()))\n")
+    done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
+                          timeout=300, cwd="/")
+    assert done.returncode == 0, done.stderr[-3000:]
+    installed = json.loads(done.stdout.splitlines()[-1])
+    for feature, system in megatron_ckpt_fixes.SYSTEMS.items():
+        mine = {k: v for k, v in installed.items() if k.startswith(f"{feature}.")}
+        assert mine and set(mine.values()) == {f"not applied: {system} is not installed"}, mine
+    assert any(k.startswith("structure.") and not v.startswith("not applied")
+               for k, v in installed.items())
