@@ -14,4 +14,6 @@
 set -euo pipefail
 PYTHON=${PYTHON:-python}
 "$PYTHON" -m pip install --no-deps nemo-automodel==0.7.0
+echo "install_nemo_automodel.sh: pip may now print an ERROR line \"nemo-automodel 0.7.0 requires" \
+     "...\": expected, its CUDA requirements are left out on purpose (see the top of this script)"
 "$PYTHON" -m pip install transformers==5.18.0 safetensors
