@@ -209,11 +209,12 @@ class Checkpointer:
             return None
         ckpt, common = found
         if self.options.verify_checksums:
-            # Collective: a mismatch raises the same ChecksumError on every rank.
-            summary = verify_checkpoint(ckpt)
+            # Collective: a mismatch, or a checkpoint that cannot be checked (no record),
+            # raises the same ChecksumError on every rank. Without the flag the load still
+            # checks every item it reads (checksums.reader).
+            summary = verify_checkpoint(ckpt, required=True)
             if dist.get_rank() == 0:
-                logger.log(logging.INFO if summary.status == "verified" else logging.WARNING,
-                           "checksums of %s: %s", ckpt, summary)
+                logger.info("checksums of %s: %s", ckpt, summary)
         what = f"loading {ckpt}"
         template = run(lambda: self._load_template(ckpt, common, model, optimizer, machine),
                        what, raise_as=CheckpointReadError)
