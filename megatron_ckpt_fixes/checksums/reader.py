@@ -9,16 +9,17 @@ a different weight. The read is the check's opportunity: it costs no extra read.
 - ``set_up_storage_reader`` (once per load, with the checkpoint's ``.metadata``) reads the
   record (:mod:`.record`) through the reader's own file system; a record that names another
   save, or none, means the load goes on unchecked, with one info line on rank 0.
-- ``_slice_file`` (once per item read) reads an item that has a checksum whole, into memory,
-  hashes exactly that buffer with the record's algorithm and hands the *same* buffer to the
+- ``_slice_file`` (once per item read) reads an item that has a checksum whole, into memory
+  (one buffer per load, reused), hashes exactly that buffer with the record's algorithm and hands the *same* buffer to the
   deserializer: the bytes checked are the bytes loaded, whatever the file holds before or
   after (a re-read could see other bytes than the ones deserialized). A mismatch raises
   :class:`ItemChecksumError` naming the key, the file and the byte range; torch DCP turns it
   into its ``CheckpointException`` and megatron-core's load, with ``load_errors``, into one
   agreed error naming every failing rank. An item without a checksum takes upstream's path.
 
-The price: one hash of each item (``xxh3_64``: GB/s per core) and one in-memory copy of its
-bytes, held while the item is deserialized (``benchmarks/bench_verified_load.py``).
+The price: one hash of each item (``xxh3_64``: GB/s per core), one in-memory copy of its
+bytes, and a buffer as large as the largest item, for the length of the load
+(``benchmarks/bench_verified_load.py``).
 """
 
 from __future__ import annotations
@@ -40,6 +41,8 @@ logger = logging.getLogger(__name__)
 _READER = "torch.distributed.checkpoint.filesystem:FileSystemReader"
 #: The reader's instance attribute holding what this load checks (:class:`LoadChecks`).
 _CHECKS_ATTR = "_mcf_checksums"
+#: The reader's instance attribute holding the buffer items are read into.
+_BUFFER_ATTR = "_mcf_read_buffer"
 
 
 class ItemChecksumError(MegatronCkptFixesError, ValueError):
@@ -105,17 +108,70 @@ def checked_slice(original: Callable[..., Any]) -> Callable[..., Any]:
                                                                   sinfo.offset))
         if entry is None:
             return original(self, file, sinfo)
-        file.seek(sinfo.offset)
-        data = file.read(sinfo.length) if entry[0] == sinfo.length else b""
+        data = _read_range(self, file, sinfo.offset, sinfo.length if entry[0] == sinfo.length
+                           else 0)
         hasher = algorithm(record.algorithm).new()
         hasher.update(data)
         mismatch = judge(_item_of(self, sinfo), entry, hasher.value(), len(data),
                          record.algorithm, source="the bytes read hold")
         if mismatch is not None:
             raise ItemChecksumError(str(mismatch))
-        return io.BytesIO(data)  # shares ``data``: what is deserialized is what was hashed
+        return _BufferView(data)  # what is deserialized is what was hashed
 
     return _slice_file
+
+
+def _read_range(reader: Any, file: Any, offset: int, length: int) -> memoryview:
+    """``length`` bytes at ``offset`` (fewer at the end of the file), read into the reader's
+    buffer: one buffer per load, grown to the largest item and reused (a fresh allocation per
+    item would make the kernel zero every page of it again). Safe to reuse: torch.load copies
+    a tensor's bytes into a storage of its own, and an object's bytes are copied out."""
+    buffer: bytearray = reader.__dict__.get(_BUFFER_ATTR, bytearray())
+    if len(buffer) < length:
+        buffer = reader.__dict__[_BUFFER_ATTR] = bytearray(length)
+    view, done = memoryview(buffer)[:length], 0
+    file.seek(offset)
+    while done < length:
+        n = file.readinto(view[done:])
+        if not n:
+            break
+        done += n
+    return view[:done]
+
+
+class _BufferView(io.RawIOBase):
+    """A read-only, seekable file over bytes in memory, without copying them (``BytesIO``
+    copies a buffer it is given)."""
+
+    def __init__(self, data: memoryview) -> None:
+        super().__init__()
+        self._data, self._pos = data, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._data)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def tell(self) -> int:
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        chunk = self._data[self._pos:self._pos + len(buffer)]
+        memoryview(buffer).cast("B")[:len(chunk)] = chunk
+        self._pos += len(chunk)
+        return len(chunk)
+
+    def read(self, size: int = -1) -> bytes:
+        end = len(self._data) if size is None or size < 0 else self._pos + size
+        chunk = bytes(self._data[self._pos:end])
+        self._pos += len(chunk)
+        return chunk
 
 
 def _read_data_problems() -> list[str]:
