@@ -39,6 +39,7 @@ FEATURES: tuple[str, ...] = (
     "compat.rerun_device",
     "dtensor.mcore",
     "checksums",
+    "writer_failures",  # after checksums: its metadata-write hold wraps the record's write
 )
 
 #: Features applied only when named: not checkpoint fixes. ``training.cpu_support`` replaces
