@@ -241,7 +241,8 @@ def _writes_with_threads() -> str | None:
     from megatron.core.dist_checkpointing.strategies.filesystem_async import (
         FileSystemWriterAsync)
 
-    if not hasattr(FileSystemWriterAsync, "write_preloaded_data_multiproc"):
+    if hasattr(FileSystemWriterAsync, "write_preloaded_data_multithread") and \
+            not hasattr(FileSystemWriterAsync, "write_preloaded_data_multiproc"):
         return "megatron-core's file writer writes with threads, not forked processes"
     return None
 

@@ -267,7 +267,8 @@ def _no_thread_collection() -> str | None:
     from megatron.core.dist_checkpointing.strategies.filesystem_async import (
         FileSystemWriterAsync)
 
-    if not hasattr(FileSystemWriterAsync, "write_preloaded_data_multithread"):
+    if hasattr(FileSystemWriterAsync, "write_preloaded_data_multiproc") and \
+            not hasattr(FileSystemWriterAsync, "write_preloaded_data_multithread"):
         return "megatron-core's file writer writes with processes (watched by " \
                "writer_failures.processes), not threads"
     return None
