@@ -34,6 +34,7 @@ FEATURES: tuple[str, ...] = (
     "structure",
     "rerun.sentinel",
     "rerun.stats_report",
+    "rerun.transient_fault",
     "load_errors",
     "async_worker",
     "compat.rerun_device",
