@@ -44,6 +44,7 @@ FEATURES: tuple[str, ...] = (
     "structure",
     "rerun.sentinel",
     "rerun.stats_report",
+    "rerun.transient_fault",
     "load_errors",
     "async_worker",
     "compat.rerun_device",
@@ -54,6 +55,7 @@ FEATURES: tuple[str, ...] = (
     "snapshot.nvrx",
     "checksums",
     "reshard.tzrec",
+    "writer_failures",  # after checksums: its metadata-write hold wraps the record's write
 )
 
 #: Features applied only when named: not checkpoint fixes. ``training.cpu_support`` replaces

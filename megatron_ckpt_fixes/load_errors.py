@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import traceback
 from typing import Any, Callable
 
 from torch.distributed.checkpoint import CheckpointException
@@ -126,6 +127,36 @@ def attribute(reports: dict[int, dict[int, str]]) -> dict[int, str]:
     return {rank: "; ".join(sorted(set(view.values()))) for rank, view in sorted(reports.items())}
 
 
+def _release_failed_load(exc: BaseException) -> None:
+    """Let the failed load's frames go now, not at some later garbage collection.
+
+    torch DCP catches a rank's failure in ``_DistWrapper`` and keeps it in a local of the
+    frame the exception's own traceback holds: a reference cycle. Through the frames' callers
+    it holds everything the caller's frames hold, a training script's model and optimizer
+    among them, and with them megatron-core's process-group handles (every parallel layer
+    keeps its ``tp_group``). Left to the garbage collector, they are destroyed after the job
+    has called ``destroy_process_group()``, often during interpreter shutdown, where
+    destroying a gloo process group can end the process in ``std::terminate`` ("terminate
+    called without an active exception", exit 134, after the agreed error: 1 run in ~34 on
+    a loaded machine). Clearing the locals of the finished frames of the error, of what it
+    was raised from (megatron-core 0.19 re-raises DCP's failure) and of the ranks' failures
+    it carries breaks the cycles, and the failures this rank keeps (``failures``) drop their
+    tracebacks, whose frames lead back to the caller (torch DCP's failures keep a summary of
+    theirs beside them; the causes were taken before)."""
+    pending, seen = [exc], set()
+    while pending:  # the error, what it was raised from, and the ranks' failures it carries
+        error = pending.pop()
+        if not isinstance(error, BaseException) or id(error) in seen:
+            continue
+        seen.add(id(error))
+        traceback.clear_frames(error.__traceback__)
+        if error is not exc:  # kept in ``failures``: its frames reach back to this one
+            error.__traceback__ = None
+        pending += [error.__cause__, error.__context__]
+        pending += [f[0] if isinstance(f, tuple) else f
+                    for f in (getattr(error, "failures", None) or {}).values()]
+
+
 def clear_load_errors(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def load(sharded_state_dict: Any, checkpoint_dir: Any, *args: Any, **kwargs: Any) -> Any:
@@ -141,6 +172,7 @@ def clear_load_errors(original: Callable[..., Any]) -> Callable[..., Any]:
             if newer is not None:
                 causes = {r: newer for r in causes}
             report = (_class_path(exc), causes)
+            _release_failed_load(exc)
 
         def raise_as(_what: str, reports: dict[int, tuple[str, dict[int, str]]]) -> BaseException:
             upstream = _upstream_class(reports[min(reports)][0])

@@ -2,14 +2,17 @@
 
 Reading order: :mod:`.algorithms` (which hash, and why) -> :mod:`.record` (what is recorded,
 where, how it is checked) -> :mod:`.hashing` (hashing beside the writer's I/O) ->
-:mod:`.writer` (where the bytes are: megatron-core's torch_dist writer; the feature's
-patches) -> :mod:`.load` (the collective check before a load). :mod:`.manifest` reads and
+:mod:`.writer` (where the bytes are: megatron-core's torch_dist writer; the save's
+patches) -> :mod:`.reader` (every load checks the bytes it reads; the load's patches) ->
+:mod:`.load` (the collective check of every item before a load). :mod:`.manifest` reads and
 checks megatron-core's own integrity manifest (``integrity.json``), for ``verify``.
 
     megatron_ckpt_fixes.install()                 # "checksums" is a default feature
     dist_checkpointing.save(sharded, ckpt_dir)    # writes ckpt_dir/.checksums.json too
-    verify_checkpoint(ckpt_dir)                   # every rank; ChecksumError on a mismatch
-    dist_checkpointing.load(template, ckpt_dir)
+    dist_checkpointing.load(template, ckpt_dir)   # checks each item it reads; fails on a
+                                                  # mismatch, on every rank
+    verify_checkpoint(ckpt_dir, required=True)    # every item, before a load, every rank;
+                                                  # ChecksumError (also without a record)
 
 :mod:`.load` imports megatron-core, so it is imported on first use: ``verify`` of a plain DCP
 checkpoint and ``inspect`` stay free of it.
@@ -17,8 +20,10 @@ checkpoint and ``inspect`` stay free of it.
 
 from typing import Any
 
+from . import reader, writer
 from .record import SIDECAR, ChecksumSummary, read_record
-from .writer import PATCHES
+
+PATCHES = writer.PATCHES + reader.PATCHES
 
 __all__ = ["PATCHES", "SIDECAR", "ChecksumError", "ChecksumSummary", "read_record",
            "verify_checkpoint"]

@@ -6,7 +6,13 @@ every item the record covers, each rank a share balanced by bytes, and agrees on
 (:mod:`megatron_ckpt_fixes.agreement`): a mismatch found by any rank raises the same
 :class:`ChecksumError` on every rank, naming each bad item's key, file and byte range, before
 any rank starts loading. A checkpoint saved without checksums is not an error: the summary
-says they are absent and the load goes on.
+says they are absent and the load goes on, unless the caller asked for the check
+(``required=True``, scripts/train.py's ``--ckpt-verify-checksums``): then a checkpoint it
+cannot check (no record, a record of another save, items without a checksum) fails closed.
+
+Every load also checks the items it reads, as it reads them (:mod:`.reader`); this check
+reads every item before the load, each rank a share, so a bad byte in an item this job will
+not load (another rank's optimizer state, a layer a smaller model skips) is found too.
 """
 
 from __future__ import annotations
@@ -41,34 +47,44 @@ class ChecksumError(MegatronCkptFixesError, CheckpointingException):
         super().__init__(describe_failures(what, errors))
 
 
-def _check_share(checkpoint_dir: str, rank: int, world: int) -> tuple[ChecksumSummary, list]:
+def _check_share(checkpoint_dir: str, rank: int, world: int,
+                 required: bool) -> tuple[ChecksumSummary, list[str]]:
+    """This rank's part of the check: the summary, and what it found wrong (one line each)."""
     metadata = FileSystemReader(checkpoint_dir).read_metadata()
     record = read_record(checkpoint_dir)
     items = items_of(metadata)
     status = record_status(record, metadata)
     if status != "verified":
-        return ChecksumSummary(status, len(items)), []
+        summary = ChecksumSummary(status, len(items))
+        return summary, [f"{summary}; the check was asked for"] if required else []
     assert record is not None
     mine = share(items, rank, world)
     mismatches, unrecorded = check_items(checkpoint_dir, mine, record)
+    problems = [str(m) for m in mismatches]
+    if required:
+        problems += [f"{item}: no checksum recorded; the check was asked for"
+                     for item in unrecorded]
     return ChecksumSummary(status, len(items), len(mine) - len(unrecorded), len(unrecorded),
-                           len(mismatches), record.algorithm), mismatches
+                           len(mismatches), record.algorithm), problems
 
 
-def verify_checkpoint(checkpoint_dir: str | os.PathLike, group: Any = None) -> ChecksumSummary:
+def verify_checkpoint(checkpoint_dir: str | os.PathLike, group: Any = None,
+                      required: bool = False) -> ChecksumSummary:
     """Check the checksums of a torch_dist checkpoint; collective over ``group``.
 
     Every rank of ``group`` calls it with the same directory. Returns the summary of the
     whole check (the same on every rank); raises :class:`ChecksumError` on every rank if
-    any rank found a mismatch or could not read the checkpoint's ``.metadata`` or record.
+    any rank found a mismatch or could not read the checkpoint's ``.metadata`` or record,
+    and, with ``required``, if any item cannot be checked (no record, a record of another
+    save, an item without a checksum): a check that was asked for fails closed.
     """
     directory = os.fspath(checkpoint_dir)
     rank, world = rank_and_size(group)
     summary, error = None, None
     try:
-        summary, mismatches = _check_share(directory, rank, world)
-        if mismatches:
-            error = "\n    ".join(map(str, mismatches))
+        summary, problems = _check_share(directory, rank, world, required)
+        if problems:
+            error = "\n    ".join(problems)
     except Exception as exc:  # noqa: BLE001 - reported on every rank by check()
         error = f"{type(exc).__name__}: {exc}"
     check(error, f"checking the checksums of {directory}", group, raise_as=ChecksumError)

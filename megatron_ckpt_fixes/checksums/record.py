@@ -172,6 +172,24 @@ class Mismatch:
         return f"{self.item}: {self.cause}"
 
 
+def judge(item: Item, entry: tuple[int, int], found: int, read: int, algorithm_name: str,
+          source: str = "the file holds") -> Mismatch | None:
+    """Compare what was read of ``item`` (``read`` bytes hashing to ``found``) with its
+    record ``entry`` (length, checksum of ``algorithm_name``); None when they match.
+    ``source`` names where ``found`` comes from, for the message."""
+    length, expected = entry
+    if length != item.length:
+        return Mismatch(item, f"the record says {length} bytes, .metadata {item.length}",
+                        "length")
+    if read != item.length:
+        return Mismatch(item, f"{item.file} ends {item.length - read} bytes early", "short")
+    if found != expected:
+        algo = algorithm(algorithm_name)
+        return Mismatch(item, f"checksum mismatch (recorded {algo.name} "
+                              f"{algo.format(expected)}, {source} {algo.format(found)})")
+    return None
+
+
 def check_items(checkpoint_dir: str | os.PathLike, items: Iterable[Item],
                 record: ChecksumRecord) -> tuple[list[Mismatch], list[Item]]:
     """Re-read each item's bytes and compare with the record.
@@ -187,23 +205,16 @@ def check_items(checkpoint_dir: str | os.PathLike, items: Iterable[Item],
         if entry is None:
             unrecorded.append(item)
             continue
-        length, expected = entry
-        if length != item.length:
-            mismatches.append(Mismatch(item, f"the record says {length} bytes, .metadata "
-                                             f"{item.length}", "length"))
-            continue
         path = os.path.join(checkpoint_dir, item.file)
-        if not os.path.exists(path):
-            mismatches.append(Mismatch(item, f"{item.file} is missing", "missing"))
-            continue
-        found, read = checksum_of_range(path, item.offset, item.length, algo, buffer)
-        if read != item.length:
-            mismatches.append(Mismatch(item, f"{item.file} ends {item.length - read} bytes "
-                                             "early", "short"))
-        elif found != expected:
-            mismatches.append(Mismatch(item, f"checksum mismatch (recorded {algo.name} "
-                                             f"{algo.format(expected)}, the file holds "
-                                             f"{algo.format(found)})"))
+        if entry[0] == item.length and not os.path.exists(path):
+            mismatch: Mismatch | None = Mismatch(item, f"{item.file} is missing", "missing")
+        elif entry[0] != item.length:
+            mismatch = judge(item, entry, 0, 0, record.algorithm)
+        else:
+            found, read = checksum_of_range(path, item.offset, item.length, algo, buffer)
+            mismatch = judge(item, entry, found, read, record.algorithm)
+        if mismatch is not None:
+            mismatches.append(mismatch)
     return mismatches, unrecorded
 
 

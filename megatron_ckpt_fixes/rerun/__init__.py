@@ -1,5 +1,6 @@
 """Rerun state machine checkpointing: the always-present sentinel ShardedObject
-(:mod:`.sentinel`) and the determinism-stats report (:mod:`.stats_report`)."""
+(:mod:`.sentinel`), the determinism-stats report (:mod:`.stats_report`), and no checkpoint
+after a transient fault (:mod:`.transient_fault`)."""
 
 from .sentinel import RERUN_STATE_KEY
 

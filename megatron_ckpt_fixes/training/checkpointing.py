@@ -17,7 +17,8 @@ One :class:`Checkpointer` per job, following Megatron-LM's ``save_checkpoint`` /
   :class:`~.errors.CheckpointSaveError` / :class:`~.errors.CheckpointReadError` on every
   rank instead of a hang. A write that fails in megatron-core's writers is reported by
   upstream on the coordinator only (the other ranks get an empty ``CheckpointException``);
-  the causes are agreed so that every rank names them.
+  the ``writer_failures`` feature agrees on the causes inside megatron-core's finalize,
+  and without it (``--upstream-only``) they are agreed here, so every rank names them.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from ..agreement import check, describe_error, rank_and_size, run
 from ..checksums import verify_checkpoint
+from ..writer_failures.outcome import WriteFailedError
 from . import layout, rng
 from .errors import CheckpointReadError, CheckpointSaveError
 from .freeze import EmbeddingFreeze
@@ -216,11 +218,12 @@ class Checkpointer:
             return None
         ckpt, common = found
         if self.options.verify_checksums:
-            # Collective: a mismatch raises the same ChecksumError on every rank.
-            summary = verify_checkpoint(ckpt)
+            # Collective: a mismatch, or a checkpoint that cannot be checked (no record),
+            # raises the same ChecksumError on every rank. Without the flag the load still
+            # checks every item it reads (checksums.reader).
+            summary = verify_checkpoint(ckpt, required=True)
             if dist.get_rank() == 0:
-                logger.log(logging.INFO if summary.status == "verified" else logging.WARNING,
-                           "checksums of %s: %s", ckpt, summary)
+                logger.info("checksums of %s: %s", ckpt, summary)
         what = f"loading {ckpt}"
         template = run(lambda: self._load_template(ckpt, common, model, optimizer, machine),
                        what, raise_as=CheckpointReadError)
@@ -297,6 +300,8 @@ def agreed_write_failure(what: str) -> Iterator[None]:
     :class:`~.errors.CheckpointSaveError` naming every cause, on every rank."""
     try:
         yield
+    except WriteFailedError as exc:  # agreed already (writer_failures): the same everywhere
+        raise CheckpointSaveError(what, exc.causes) from exc
     except CheckpointException as exc:
         report = {rank: describe_error(error) for rank, (error, _trace) in exc.failures.items()}
         check(report, what, raise_as=_write_failure)

@@ -254,6 +254,8 @@ def configure_logging(verbose: bool) -> None:
     handler.setFormatter(logging.Formatter(fmt) if verbose else _OneLineFormatter(fmt))
     logging.basicConfig(level=logging.WARNING, handlers=[handler])
     logging.getLogger("megatron_ckpt_fixes.training").setLevel(logging.INFO)
+    # "loading ... without checking its bytes": a resume from a checkpoint without checksums
+    logging.getLogger("megatron_ckpt_fixes.checksums.reader").setLevel(logging.INFO)
 
 
 def main(args: Any = None) -> int:

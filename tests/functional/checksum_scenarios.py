@@ -5,7 +5,7 @@ across ranks, a replicated one (written once, by its main replica), a tensor abo
 writer's in-memory limit (checksummed through the tap, by the writer's helper thread while
 the file is written and fsynced), per-rank objects and common state. Each save path's
 checkpoint is then copied with one byte of the large tensor flipped: the collective check
-must name it on every rank.
+and the plain load (which checks what it reads) must each name it on every rank.
 """
 
 from __future__ import annotations
@@ -81,13 +81,17 @@ def _save(sd: dict, path: str, strategy: Any = None, asynchronous: bool = False)
     queue.close()
 
 
-def _verify(path: str) -> dict[str, Any]:
+def _failure(exc: BaseException) -> dict[str, Any]:
+    return {"error": str(exc), "classes": [c.__name__ for c in type(exc).__mro__]}
+
+
+def _verify(path: str, required: bool = False) -> dict[str, Any]:
     from megatron_ckpt_fixes.checksums import verify_checkpoint
 
     try:
-        summary = verify_checkpoint(path)
+        summary = verify_checkpoint(path, required=required)
     except BaseException as exc:  # noqa: BLE001 - the class and message are the result
-        return {"error": str(exc), "classes": [c.__name__ for c in type(exc).__mro__]}
+        return _failure(exc)
     return {"status": summary.status, "items": summary.items, "checked": summary.checked,
             "unrecorded": summary.unrecorded}
 
@@ -96,6 +100,14 @@ def _load_exact(path: str, rank: int, ws: int) -> bool:
     from megatron.core import dist_checkpointing as dc
 
     return exact(dc.load(template(rank, ws), path), rank)
+
+
+def _load(path: str, rank: int, ws: int) -> dict[str, Any]:
+    """A plain load (no verify first): exact or not, or the error every rank raised."""
+    try:
+        return {"exact": _load_exact(path, rank, ws)}
+    except BaseException as exc:  # noqa: BLE001 - the class and message are the result
+        return _failure(exc)
 
 
 def checksum_worker(rank: int, ws: int, root: str) -> dict[str, Any]:
@@ -127,6 +139,7 @@ def checksum_worker(rank: int, ws: int, root: str) -> dict[str, Any]:
             out[name]["flipped_file"] = flip_tensor_byte(Path(flipped), "big", (0,))
         dist.barrier()
         out[name]["flipped"] = _verify(flipped)
+        out[name]["flipped_load"] = _load(flipped, rank, ws)
 
     # A byte of rank 1's chunk of "w" flipped on disk after the save.
     corrupt = os.path.join(root, "corrupt")
@@ -134,7 +147,7 @@ def checksum_worker(rank: int, ws: int, root: str) -> dict[str, Any]:
         shutil.copytree(os.path.join(root, "sync"), corrupt)
         out["flipped_file"] = flip_tensor_byte(Path(corrupt), "w", (ROWS, 0))
     dist.barrier()
-    out["corrupt"] = {**_verify(corrupt), "patched_load_exact": _load_exact(corrupt, rank, ws)}
+    out["corrupt"] = {**_verify(corrupt), "patched_load": _load(corrupt, rank, ws)}
     megatron_ckpt_fixes.uninstall()
     megatron_ckpt_fixes.install(["compat.cpu"])  # plain upstream: its load checks nothing
     out["corrupt"]["upstream_load_exact"] = _load_exact(corrupt, rank, ws)
@@ -146,5 +159,6 @@ def checksum_worker(rank: int, ws: int, root: str) -> dict[str, Any]:
     _save(sd, path)
     megatron_ckpt_fixes.install()
     out["without"] = {**_verify(path), "exact": _load_exact(path, rank, ws),
-                      "sidecar": os.path.exists(os.path.join(path, SIDECAR))}
+                      "sidecar": os.path.exists(os.path.join(path, SIDECAR)),
+                      "required": _verify(path, required=True)}
     return out

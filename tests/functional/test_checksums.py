@@ -1,11 +1,12 @@
 """Checksums recorded at save time catch a flipped byte that every load misses.
 
 Upstream twin: megatron-core (and torch DCP under it) never checks the bytes it reads, so a
-byte flipped in a tensor's data on disk loads as a different weight with no error, with plain
-upstream and with the fixes alike. With the checksums feature every save (sync, async,
-fully-parallel) records a checksum (xxh3_64) of every item, ``verify_checkpoint`` finds a
-flip in any of them on every rank with the key and the file, and a checkpoint saved without
-checksums still loads.
+byte flipped in a tensor's data on disk loads as a different weight with no error. With the
+checksums feature every save (sync, async, fully-parallel) records a checksum of every item;
+the plain load checks every item it reads and fails on every rank naming the key, the file,
+the byte range and the rank; ``verify_checkpoint`` finds a flip in any item (also one this
+rank would not load) on every rank; a checkpoint saved without checksums still loads, unless
+the check was asked for (``required=True``): then it fails closed.
 """
 
 from __future__ import annotations
@@ -46,11 +47,25 @@ def test_a_flipped_byte_of_a_large_item_is_caught_on_every_save_path(outcomes, r
     assert message.count("checksum mismatch (recorded xxh3_64") == 1, message
 
 
+@pytest.mark.parametrize("run", ["sync", "async", "fully_parallel"])
+def test_a_flipped_byte_fails_the_plain_load_on_every_rank(outcomes, run):
+    """No verify before it: the load checks the bytes it reads (the large item's checksum
+    was taken by the writer's helper thread)."""
+    file = outcomes[0][run]["flipped_file"]
+    errors = [out[run]["flipped_load"] for out in outcomes]
+    assert errors[0]["error"] == errors[1]["error"], "ranks disagree"
+    message = errors[0]["error"]
+    assert "1 rank(s) failed:\n  rank 0: ItemChecksumError: 'big' chunk at (0,) in " \
+           f"{file} (bytes " in message, message
+    assert message.count("checksum mismatch (recorded ") == 1, message
+    for error in errors:  # the class a caller of the load already catches
+        assert {"CheckpointLoadError", "CheckpointException"} <= set(error["classes"])
+
+
 def test_a_flipped_byte_loads_silently_upstream(outcomes):
     """The upstream failure: the load reads the flipped byte as data, no error."""
     assert outcomes[0]["corrupt"]["upstream_load_exact"]  # rank 0's chunk is intact
     assert not outcomes[1]["corrupt"]["upstream_load_exact"]
-    assert not outcomes[1]["corrupt"]["patched_load_exact"]  # the load itself checks nothing
 
 
 def test_a_flipped_byte_is_named_on_every_rank(outcomes):
@@ -66,7 +81,23 @@ def test_a_flipped_byte_is_named_on_every_rank(outcomes):
                 "MegatronCkptFixesError"} <= set(error["classes"])
 
 
+def test_the_plain_load_names_the_flipped_byte_on_every_rank(outcomes):
+    file = outcomes[0]["flipped_file"]
+    errors = [out["corrupt"]["patched_load"] for out in outcomes]
+    assert errors[0]["error"] == errors[1]["error"], "ranks disagree"
+    assert f"rank 1: ItemChecksumError: 'w' chunk at ({4}, 0) in {file} (bytes " \
+           in errors[0]["error"], errors[0]
+    assert "rank 0" not in errors[0]["error"]  # rank 0's items are intact
+
+
 def test_a_checkpoint_without_checksums_loads(outcomes):
     for out in outcomes:
         assert not out["without"]["sidecar"]
         assert out["without"]["status"] == "absent" and out["without"]["exact"]
+
+
+def test_a_checkpoint_without_checksums_fails_a_check_that_was_asked_for(outcomes):
+    errors = [out["without"]["required"] for out in outcomes]
+    assert errors[0]["error"] == errors[1]["error"] and "ChecksumError" in errors[0]["classes"]
+    assert "rank 0: absent (.checksums.json missing: saved without the checksums feature); " \
+           "the check was asked for" in errors[0]["error"], errors[0]

@@ -1,10 +1,11 @@
 """Bad input ends a job with one clear line and a non-zero exit code, never a traceback wall.
 
 Flags are refused before megatron-core is imported (exit 2, rank 0 says why). A checkpoint
-that cannot be read, and a save that fails (a real ENOSPC: the checkpoint directory is a
-tiny tmpfs), end the job with exit code 1 and one error, agreed by every rank and printed
-once, naming each failing rank and its cause; a failed save leaves the tracker on the last
-complete checkpoint.
+that cannot be read (a flipped byte in tensor data too: the load checks what it reads,
+without ``--ckpt-verify-checksums``), and a save that fails (a real ENOSPC: the checkpoint
+directory is a tiny tmpfs), end the job with exit code 1 and one error, agreed by every rank
+and printed once, naming each failing rank and its cause; a failed save leaves the tracker
+on the last complete checkpoint.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import shutil
 import subprocess
 
 import pytest
+from ckpt_files import flip_tensor_byte, storage_entry
 from training_runs import COMMON, reference, reference_dir, run_job
 
 from megatron_ckpt_fixes.training import layout
@@ -92,6 +94,19 @@ def test_a_load_path_that_does_not_exist_is_one_warning(tmp_path):
     warned = [line for line in job.output.splitlines() if str(missing) in line]
     assert warned == [f"[rank0] WARNING megatron_ckpt_fixes.training.checkpointing: --load "
                       f"{missing} does not exist: starting from scratch"], job.output[-6000:]
+
+
+def test_a_flipped_byte_stops_the_plain_resume(saved, tmp_path):
+    """No --ckpt-verify-checksums: upstream would train on the flipped weight."""
+    ckpt, iteration = _broken_copy(saved, tmp_path, "flipped")
+    key = "embedding.word_embeddings.weight"
+    file = flip_tensor_byte(iteration, key, (0, 0))
+    info = storage_entry(iteration, key, (0, 0))
+    job = run_job(tmp_path, [*JOB, "--train-iters", "9", "--load", str(ckpt)])
+    _assert_one_clear_error(job, f"cannot load checkpoint {iteration}", "rank 0: ItemChecksumError: "
+                            f"'{key}' chunk at (0, 0) in {file} (bytes {info.offset}.."
+                            f"{info.offset + info.length}): checksum mismatch (recorded ")
+    assert "rank 1:" not in job.output  # rank 1 reads none of the chunk
 
 
 def _tmpfs_wrap(mountpoint) -> tuple[str, ...]:

@@ -21,12 +21,18 @@ import pytest
 RELEASES = ("0.16.1", "0.17.1", "0.18.2", "0.19.2")
 SENTINEL = {"rerun.sentinel.state_dict"}
 STATS_REPORT = {"rerun.stats_report.filename", "rerun.stats_report.lineno"}
+#: megatron-core's file writer forks a process per bucket in 0.16, runs threads from 0.17 on:
+#: the patches for the other kind do not apply.
+THREADED_WRITER = {"writer_failures.threads.collection"}
+FORKED_WRITERS = {"writer_failures.processes.mp", "writer_failures.processes.multiproc"}
+#: No checkpoint after a transient fault: upstream from 0.18 (Megatron-LM PR 3981).
+TRANSIENT_FAULT = {"rerun.transient_fault.should_checkpoint_and_exit"}
 #: Patches each release does not need (detected); every other patch must apply there.
 UPSTREAM_HAS = {
-    "0.16.1": set(),
-    "0.17.1": set(),
-    "0.18.2": SENTINEL,
-    "0.19.2": SENTINEL | STATS_REPORT,
+    "0.16.1": THREADED_WRITER,
+    "0.17.1": FORKED_WRITERS,
+    "0.18.2": SENTINEL | FORKED_WRITERS | TRANSIENT_FAULT,
+    "0.19.2": SENTINEL | STATS_REPORT | FORKED_WRITERS | TRANSIENT_FAULT,
 }
 PROBE = Path(__file__).with_name("upstream_probe.py")
 

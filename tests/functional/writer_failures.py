@@ -1,0 +1,319 @@
+"""Writer failures during a megatron-core save, on real gloo ranks (run by test_writer_failures.py).
+
+Each case saves a small sharded state dict (two tensors per rank, two writers per rank: two
+bucket files) through one of megatron-core's save paths and makes a writer fail for real:
+
+- ``EISDIR``: rank 1's first bucket file already exists as a directory: that writer's
+  ``open`` raises (a writer thread on megatron-core >= 0.19, a forked writer process on
+  0.16), the other writer succeeds;
+- ``EISDIR-metadata``: the coordinator's ``.metadata.tmp`` is a directory: its metadata
+  write fails after every writer succeeded;
+- ``killed``: rank 1's first bucket file is a named pipe, so its writer blocks in ``open``
+  (mid-save: no byte written); the rank then SIGKILLs the process the case names, as the
+  OOM killer does: a forked bucket writer (0.16), the forked writer of megatron-core's
+  asynchronous save, or the persistent worker;
+- ``EIO``: the checkpoint directory is on an ext4 file system (a loop device) that rank 0
+  shuts down (``EXT4_IOC_SHUTDOWN``) once the save is planned: every write after it fails
+  with the kernel's EIO; ``ENOSPC``: it is on a tmpfs too small for the data. Both need the
+  mounts :func:`mounted_roots` describes (test_writer_failures.py makes them in a private
+  mount namespace).
+
+The save (and its finalize) runs in a thread of the rank. A save that cannot end is told
+from a slow one by where it waits: rank 1's save thread sitting in a wait that only its
+dead writer could end (multiprocessing's ``JoinableQueue.join``/``Queue.get`` inside
+megatron-core's ``write_preloaded_data_multiproc``) for ``STUCK_S``. Rank 1 then leaves a marker, and every rank reports ``waiting`` with the
+functions it waits in. Otherwise each rank reports how its save ended: ``ok`` (the save
+reported success), or ``error`` (class names and message); ``metadata``: whether
+``.metadata`` was written; ``orphans``: writers of a killed process still alive after it.
+
+A case that leaves its ranks waiting breaks their process group: it must be a run's last.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import signal
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import psutil
+import torch
+import torch.distributed as dist
+
+#: Seconds a save may take at most, on a loaded machine (a hang that no stack shows).
+DEADLINE_S = 120.0
+#: Seconds rank 1's save must sit in a wait only its dead writer could end.
+STUCK_S = 3.0
+#: Seconds to let the writers reach the named pipe (and the other writer finish).
+SETTLE_S = 1.0
+#: The rank whose writer fails; writers (bucket files) per rank.
+FAILING_RANK = 1
+WRITERS = 2
+#: Waits that only a writer can end: (function, file ending), inside megatron-core's
+#: ``write_preloaded_data_multiproc``.
+_WRITER_WAITS = (("join", "multiprocessing/queues.py"), ("get", "multiprocessing/queues.py"))
+
+
+@dataclass(frozen=True)
+class Case:
+    name: str
+    #: "sync" (``execute_sync``), "async" (megatron-core's forked writer, ``AsyncCallsQueue()``)
+    #: or "persistent" (``AsyncCallsQueue(persistent=True)``).
+    path: str
+    #: "EISDIR" or "killed" (see the module docstring).
+    failure: str
+    #: for "killed": "bucket" (a forked bucket writer, 0.16), "writer" (the async writer
+    #: process), "worker" (the persistent worker).
+    victim: str | None = None
+
+
+CASES = {case.name: case for case in (
+    Case("thread-exception-sync", "sync", "EISDIR"),
+    Case("thread-exception-async", "async", "EISDIR"),
+    Case("thread-exception-persistent", "persistent", "EISDIR"),
+    Case("killed-bucket-sync", "sync", "killed", "bucket"),
+    Case("killed-bucket-async", "async", "killed", "bucket"),
+    Case("killed-bucket-persistent", "persistent", "killed", "bucket"),
+    Case("killed-writer-async", "async", "killed", "writer"),
+    Case("killed-worker-persistent", "persistent", "killed", "worker"),
+    Case("metadata-write-fails", "sync", "EISDIR-metadata"),
+    Case("eio", "sync", "EIO"),
+    Case("enospc", "sync", "ENOSPC"),
+)}
+
+#: Cases that need a mounted file system (the environment variable names its directory).
+MOUNTED = {"eio": "MCF_TEST_EXT4_DIR", "enospc": "MCF_TEST_SMALL_TMPFS_DIR"}
+_EXT4_IOC_SHUTDOWN = 0x8004587D  # _IOR('X', 125, __u32)
+_EXT4_GOING_FLAGS_NOLOGFLUSH = 2
+
+
+def _shut_down(directory: str) -> None:
+    """Shut the ext4 file system holding ``directory`` down: from now on every write to it
+    fails with EIO (as on a disk that failed)."""
+    import fcntl
+    import struct
+
+    fd = os.open(directory, os.O_RDONLY)
+    try:
+        fcntl.ioctl(fd, _EXT4_IOC_SHUTDOWN, struct.pack("I", _EXT4_GOING_FLAGS_NOLOGFLUSH))
+    finally:
+        os.close(fd)
+
+
+def writes_with_processes() -> bool:
+    """Whether megatron-core's file writer forks a process per bucket (0.16) rather than
+    running threads (0.19 on): asked of the writer class, not of a version number."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        FileSystemWriterAsync)
+
+    return hasattr(FileSystemWriterAsync, "write_preloaded_data_multiproc")
+
+
+def applicable(name: str) -> bool:
+    """Forked bucket writers exist only where the writer forks them."""
+    return CASES[name].victim != "bucket" or writes_with_processes()
+
+
+def _forked_children(pid: int) -> list[psutil.Process]:
+    """Live processes forked by ``pid`` (same command line: not spawned helpers)."""
+    parent = psutil.Process(pid)
+    found = []
+    for child in parent.children():
+        try:
+            if child.status() != psutil.STATUS_ZOMBIE and child.cmdline() == parent.cmdline():
+                found.append(child)
+        except psutil.NoSuchProcess:
+            pass
+    return found
+
+
+def _alive(process: psutil.Process) -> bool:
+    try:
+        return process.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def _state(rank: int, ws: int) -> dict:
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    return {key: ShardedTensor.from_rank_offsets(key, torch.arange(16_384.0) + 100 * i + rank,
+                                                 (0, rank, ws))
+            for i, key in enumerate(("a", "b"))}
+
+
+def _request(directory: str, rank: int, ws: int) -> Any:
+    """The save's request, two writers per rank (0.16's default; 0.19 threads: Megatron-LM's
+    ``--dist-ckpt-workers 2``), megatron-core's own async strategy."""
+    from megatron.core import dist_checkpointing as dc
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    mcore = ({"async_strategy": "mcore"}
+             if "async_strategy" in inspect.signature(dc.save).parameters else {})
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=WRITERS)
+    return dc.save(_state(rank, ws), directory, strategy, async_sharded_save=True, **mcore)
+
+
+def _victims(case: Case, queue: Any) -> list[psutil.Process]:
+    """Whom to SIGKILL, once the writers settled."""
+    if case.victim == "bucket" and case.path == "sync":
+        return _forked_children(os.getpid())
+    caller = queue.async_calls[0].async_caller if queue.async_calls else None
+    process = getattr(caller, "process", None)
+    if process is None:
+        return []
+    return _forked_children(process.pid) if case.victim == "bucket" else [psutil.Process(
+        process.pid)]
+
+
+def _waits(thread: threading.Thread) -> list[str]:
+    """Where ``thread`` is: ``function (file)`` from the innermost frame outwards."""
+    frame = sys._current_frames().get(thread.ident)
+    found = []
+    while frame is not None:
+        found.append(f"{frame.f_code.co_name} ({frame.f_code.co_filename})")
+        frame = frame.f_back
+    return found
+
+
+def _in_writer_wait(waits: list[str]) -> bool:
+    """Whether the innermost frames are megatron-core's writer collection waiting on its
+    writers' queues."""
+    names = [w.split(" (")[0] for w in waits]
+    if "write_preloaded_data_multiproc" not in names:
+        return False
+    inner = waits[:names.index("write_preloaded_data_multiproc")]
+    return any(w.startswith(f"{fn} (") and w.endswith(f"{tail})")
+               for w in inner for fn, tail in _WRITER_WAITS)
+
+
+def _save_in_thread(case: Case, directory: str, rank: int, ws: int, queue: Any,
+                    out: dict) -> threading.Thread:
+    def save() -> None:
+        try:
+            request = _request(directory, rank, ws)
+            if case.failure == "EIO":  # planned, common state written: the disk fails now
+                dist.barrier()
+                if rank == 0:
+                    _shut_down(directory)
+                dist.barrier()
+            if queue is None:
+                request.execute_sync()
+            else:
+                queue.schedule_async_request(request)
+                queue.maybe_finalize_async_calls(blocking=True)
+            out["outcome"] = "ok"
+        except BaseException as exc:  # noqa: BLE001 - CheckpointException is a BaseException
+            out.update(outcome="error", error=str(exc),
+                       classes=[c.__name__ for c in type(exc).__mro__])
+
+    thread = threading.Thread(target=save, daemon=True)
+    thread.start()
+    return thread
+
+
+def _kill_victims(case: Case, queue: Any, thread: threading.Thread,
+                  orphans: list[psutil.Process]) -> list[int]:
+    """SIGKILL the case's victims once they are blocked on the named pipe."""
+    deadline = time.monotonic() + DEADLINE_S
+    while thread.is_alive() and time.monotonic() < deadline:
+        time.sleep(SETTLE_S)
+        victims = _victims(case, queue)
+        if victims:
+            for process in victims:
+                orphans += process.children(recursive=True)  # upstream leaves them
+                process.send_signal(signal.SIGKILL)
+            return [p.pid for p in victims]
+    return []
+
+
+def _in_collective(waits: list[str]) -> bool:
+    return bool(waits) and any(w.endswith("distributed_c10d.py)") for w in waits[:3])
+
+
+def run_case(rank: int, ws: int, case: Case, root: str) -> dict:
+    """One case on every rank (the features are installed by the caller)."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+
+    directory = os.path.join(os.environ.get(MOUNTED.get(case.name, ""), root), case.name)
+    if rank == 0:
+        os.makedirs(directory)
+        if case.failure == "EISDIR-metadata":
+            os.mkdir(os.path.join(directory, ".metadata.tmp"))
+    dist.barrier()
+    if rank == FAILING_RANK and case.failure in ("EISDIR", "killed"):
+        path = os.path.join(directory, f"__{rank}_0.distcp")
+        os.mkdir(path) if case.failure == "EISDIR" else os.mkfifo(path)
+    queue = None if case.path == "sync" else AsyncCallsQueue(persistent=case.path == "persistent")
+    out: dict = {}
+    orphans: list[psutil.Process] = []
+    started = time.monotonic()
+    thread = _save_in_thread(case, directory, rank, ws, queue, out)
+    if case.failure == "killed" and rank == FAILING_RANK:
+        out["killed"] = _kill_victims(case, queue, thread, orphans)
+    _until_every_rank_ended_or_stuck(rank, ws, thread, os.path.join(root, case.name), out)
+    out["seconds"] = round(time.monotonic() - started, 1)
+    out["metadata"] = os.path.exists(os.path.join(directory, ".metadata"))
+    if queue is not None and not thread.is_alive():
+        queue.close(abort=out["outcome"] == "error")
+    out["orphans"] = sum(map(_alive, orphans))  # the killed writer's own writers
+    # stuck writers, megatron-core's results manager: not past the test
+    for process in [*orphans, *(psutil.Process().children(recursive=True)
+                                if out["outcome"] == "waiting" else [])]:
+        try:
+            process.kill()
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def _until_every_rank_ended_or_stuck(rank: int, ws: int, thread: threading.Thread,
+                                     prefix: str, out: dict) -> None:
+    """Wait for this rank's save to end, or to be stuck for good: waiting (``STUCK_S``) in
+    a writer wait after its writer failed, or in a collective after another rank ended or
+    got stuck. Each rank leaves a marker (``<prefix>.<rank>``) and returns once every rank
+    did, so no rank's exit ends another's wait."""
+    mine = f"{prefix}.{rank}"
+    since = None
+    deadline = time.monotonic() + DEADLINE_S
+    while time.monotonic() < deadline:
+        thread.join(0.5)
+        if not os.path.exists(mine):
+            waits = _waits(thread) if thread.is_alive() else []
+            others_done = any(os.path.exists(f"{prefix}.{r}") for r in range(ws) if r != rank)
+            stuck = thread.is_alive() and (_in_writer_wait(waits) or
+                                           (others_done and _in_collective(waits)))
+            since = (since or time.monotonic()) if stuck else None
+            if not thread.is_alive() or (since and time.monotonic() - since >= STUCK_S):
+                if thread.is_alive():
+                    out.update(outcome="waiting", waits=[w.split(" (")[0] for w in waits][:8])
+                open(mine, "w").close()
+        if all(os.path.exists(f"{prefix}.{r}") for r in range(ws)):
+            return
+    if thread.is_alive():
+        out.update(outcome="waiting", waits=[w.split(" (")[0] for w in _waits(thread)][:8])
+
+
+def run_cases(rank: int, ws: int, names: list[str], fixes: bool) -> dict[str, dict]:
+    """``names`` one after the other on every rank; ``fixes``: ``install()``, else plain
+    upstream on gloo (``compat.cpu``). A case that leaves the ranks waiting ends the run."""
+    import megatron_ckpt_fixes
+
+    megatron_ckpt_fixes.install(None if fixes else ["compat.cpu"])
+    root = [tempfile.mkdtemp() if rank == 0 else None]
+    dist.broadcast_object_list(root, src=0)
+    results = {}
+    for name in names:
+        results[name] = run_case(rank, ws, CASES[name], root[0])
+        if results[name]["outcome"] == "waiting":
+            break
+    if all(r["outcome"] != "waiting" for r in results.values()):
+        for process in psutil.Process().children(recursive=True):
+            process.kill()  # megatron-core's results manager, spawned helpers
+    return results
+
