@@ -225,11 +225,12 @@ def report_error(exc: BaseException, verbose: bool) -> None:
         traceback.print_exception(exc)
     if isinstance(exc, SAME_ON_EVERY_RANK):
         if rank == "0":
-            print(f"train.py: error: {shorten(describe_error(exc))}", file=sys.stderr,
+            print(shorten(f"train.py: error: {describe_error(exc)}"), file=sys.stderr,
                   flush=True)
     else:
-        print(f"train.py: error on rank {rank}: {shorten(describe_error(exc))}", file=sys.stderr,
-              flush=True)
+        # The prefix counts: the whole line fits the limit, whichever key comes first.
+        print(shorten(f"train.py: error on rank {rank}: {describe_error(exc)}"),
+              file=sys.stderr, flush=True)
 
 
 def run_job(job: Job) -> int:

@@ -23,3 +23,17 @@ def test_whatever_is_still_too_long_is_cut_with_a_count():
     short = shorten_line(line)
     assert len(short) == LIMIT and short.endswith(f" ... [{5000 - LIMIT} more characters]")
     assert shorten(f"first\n{line}\nlast").splitlines()[::2] == ["first", "last"]
+
+
+def test_the_training_error_line_fits_with_its_prefix(capsys):
+    """The prefix ``train.py: error on rank N: `` counts: a key list whose first keys are
+    long (the first key depends on the run) once made the line 25 characters too long."""
+    from megatron_ckpt_fixes.training.loop import report_error
+
+    long_keys = [f"decoder.layers.mlp.linear_fc1._extra_state/shard_0_{i}" + "x" * 200
+                 for i in range(60)]
+    report_error(KeyError(f"optimizer.state.exp_avg.embedding.weight from model not in state "
+                          f"dict: {long_keys}"), verbose=False)
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("train.py: error on rank ")
+    assert len(lines[0]) <= LIMIT, len(lines[0])
