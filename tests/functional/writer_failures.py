@@ -24,7 +24,8 @@ dead writer could end (multiprocessing's ``JoinableQueue.join``/``Queue.get`` in
 megatron-core's ``write_preloaded_data_multiproc``) for ``STUCK_S``. Rank 1 then leaves a marker, and every rank reports ``waiting`` with the
 functions it waits in. Otherwise each rank reports how its save ended: ``ok`` (the save
 reported success), or ``error`` (class names and message); ``metadata``: whether
-``.metadata`` was written; ``orphans``: writers of a killed process still alive after it.
+``.metadata`` was written; ``orphans``: writers of a killed process still alive
+``DEATH_GRACE_S`` after it.
 
 A case that leaves its ranks waiting breaks their process group: it must be a run's last.
 """
@@ -51,6 +52,10 @@ DEADLINE_S = 120.0
 STUCK_S = 3.0
 #: Seconds to let the writers reach the named pipe (and the other writer finish).
 SETTLE_S = 1.0
+#: Seconds the writers of a killed process get to die: the kernel sends its death signal at
+#: once, but on a loaded machine a signalled process may wait to be scheduled (and a helper it
+#: started, such as multiprocessing's resource tracker, exits when its pipe closes).
+DEATH_GRACE_S = 10.0
 #: The rank whose writer fails; writers (bucket files) per rank.
 FAILING_RANK = 1
 WRITERS = 2
@@ -137,6 +142,23 @@ def _alive(process: psutil.Process) -> bool:
         return process.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+def _alive_after(processes: list[psutil.Process], grace_s: float) -> list[str]:
+    """The command lines of ``processes`` still alive after at most ``grace_s`` seconds."""
+    deadline = time.monotonic() + grace_s
+    while True:
+        alive = [p for p in processes if _alive(p)]
+        if not alive or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    names = []
+    for process in alive:
+        try:
+            names.append(" ".join(process.cmdline())[:200])
+        except psutil.Error:
+            names.append(str(process.pid))
+    return names
 
 
 def _state(rank: int, ws: int) -> dict:
@@ -261,7 +283,7 @@ def run_case(rank: int, ws: int, case: Case, root: str) -> dict:
     out["metadata"] = os.path.exists(os.path.join(directory, ".metadata"))
     if queue is not None and not thread.is_alive():
         queue.close(abort=out["outcome"] == "error")
-    out["orphans"] = sum(map(_alive, orphans))  # the killed writer's own writers
+    out["orphans"] = _alive_after(orphans, DEATH_GRACE_S)  # the killed writer's own writers
     # stuck writers, megatron-core's results manager: not past the test
     for process in [*orphans, *(psutil.Process().children(recursive=True)
                                 if out["outcome"] == "waiting" else [])]:
