@@ -268,6 +268,8 @@ def run_case(rank: int, ws: int, case: Case, root: str) -> dict:
         if case.failure == "EISDIR-metadata":
             os.mkdir(os.path.join(directory, ".metadata.tmp"))
     dist.barrier()
+    assert os.path.isdir(directory), (f"rank {rank}: {directory} is missing after the barrier "
+                                      f"(collectives started: {_collectives_started()})")
     if rank == FAILING_RANK and case.failure in ("EISDIR", "killed"):
         path = os.path.join(directory, f"__{rank}_0.distcp")
         os.mkdir(path) if case.failure == "EISDIR" else os.mkfifo(path)
@@ -294,12 +296,22 @@ def run_case(rank: int, ws: int, case: Case, root: str) -> dict:
     return out
 
 
+def _collectives_started() -> int:
+    """How many collectives this rank has started on the default group (gloo numbers them:
+    the same count on every rank once each rank has joined the same collectives)."""
+    return dist.group.WORLD._get_sequence_number_for_group()
+
+
 def _until_every_rank_ended_or_stuck(rank: int, ws: int, thread: threading.Thread,
                                      prefix: str, out: dict) -> None:
     """Wait for this rank's save to end, or to be stuck for good: waiting (``STUCK_S``) in
-    a writer wait after its writer failed, or in a collective after another rank ended or
-    got stuck. Each rank leaves a marker (``<prefix>.<rank>``) and returns once every rank
-    did, so no rank's exit ends another's wait."""
+    a writer wait after its writer failed, or in a collective that no other rank will join
+    (every other rank ended, and this rank started more collectives than any of them: an
+    exact rule, so a save thread that a loaded machine leaves unscheduled for seconds after
+    the others ended is not taken for a stuck one). Each rank leaves a marker
+    (``<prefix>.<rank>``: ``ended|waiting <collectives started>``) and returns once every
+    rank did, so no rank's exit ends another's wait; ``out["ranks_waiting"]`` lists the
+    ranks that reported waiting, the same list on every rank."""
     mine = f"{prefix}.{rank}"
     since = None
     deadline = time.monotonic() + DEADLINE_S
@@ -307,18 +319,38 @@ def _until_every_rank_ended_or_stuck(rank: int, ws: int, thread: threading.Threa
         thread.join(0.5)
         if not os.path.exists(mine):
             waits = _waits(thread) if thread.is_alive() else []
-            others_done = any(os.path.exists(f"{prefix}.{r}") for r in range(ws) if r != rank)
+            others = [_marker(f"{prefix}.{r}") for r in range(ws) if r != rank]
+            alone = all(o is not None for o in others) and \
+                _collectives_started() > max(seq for _state, seq in others)
             stuck = thread.is_alive() and (_in_writer_wait(waits) or
-                                           (others_done and _in_collective(waits)))
+                                           (alone and _in_collective(waits)))
             since = (since or time.monotonic()) if stuck else None
             if not thread.is_alive() or (since and time.monotonic() - since >= STUCK_S):
                 if thread.is_alive():
                     out.update(outcome="waiting", waits=[w.split(" (")[0] for w in waits][:8])
-                open(mine, "w").close()
-        if all(os.path.exists(f"{prefix}.{r}") for r in range(ws)):
+                _write_marker(mine, "waiting" if thread.is_alive() else "ended")
+        markers = [_marker(f"{prefix}.{r}") for r in range(ws)]
+        if all(m is not None for m in markers):
+            out["ranks_waiting"] = [r for r, (state, _) in enumerate(markers)
+                                    if state == "waiting"]
             return
     if thread.is_alive():
         out.update(outcome="waiting", waits=[w.split(" (")[0] for w in _waits(thread)][:8])
+
+
+def _write_marker(path: str, state: str) -> None:
+    with open(path + ".tmp", "w") as f:
+        f.write(f"{state} {_collectives_started()}")
+    os.replace(path + ".tmp", path)  # a reader sees the whole marker or none
+
+
+def _marker(path: str) -> tuple[str, int] | None:
+    try:
+        with open(path) as f:
+            state, seq = f.read().split()
+    except FileNotFoundError:
+        return None
+    return state, int(seq)
 
 
 def run_cases(rank: int, ws: int, names: list[str], fixes: bool) -> dict[str, dict]:
@@ -332,9 +364,9 @@ def run_cases(rank: int, ws: int, names: list[str], fixes: bool) -> dict[str, di
     results = {}
     for name in names:
         results[name] = run_case(rank, ws, CASES[name], root[0])
-        if results[name]["outcome"] == "waiting":
+        if results[name].get("ranks_waiting", [rank]):  # every rank stops alike
             break
-    if all(r["outcome"] != "waiting" for r in results.values()):
+    if not any(r.get("ranks_waiting", [rank]) for r in results.values()):
         for process in psutil.Process().children(recursive=True):
             process.kill()  # megatron-core's results manager, spawned helpers
     return results
