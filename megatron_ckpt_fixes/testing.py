@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from . import activation
+
 logger = logging.getLogger(__name__)
 
 
@@ -75,8 +77,30 @@ def init_test_group(rank: int, world_size: int, init_method: str,
                             world_size=world_size, timeout=timeout)
 
 
+#: What the ranks' fork server imports once, so that each rank starts with it imported: torch
+#: and its distributed checkpointing are about 2 s of CPU per process, most of a short test's
+#: time on a 2-core machine. Nothing else is preloaded: megatron-core and this package are
+#: imported by each rank itself (tests switch releases, snapshots and activation per run).
+PRELOAD = ("torch", "torch.distributed.checkpoint", "torch.distributed.tensor", "numpy")
+
+
+def _context() -> Any:
+    """Ranks are forked from one server process that imported :data:`PRELOAD` (Python's
+    ``forkserver``: a fresh, single-threaded process, unlike a fork of the caller)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))
+    return ctx
+
+
 def _worker(rank: int, world_size: int, init_method: str, fn: Callable, args: tuple,
-            collective_timeout_s: float, results: Any) -> None:
+            collective_timeout_s: float, results: Any, env: dict[str, str]) -> None:
+    # the fork server's environment is the caller's when it started; a rank gets the
+    # caller's environment of this call (tests set variables for their ranks), and what the
+    # package's .pth file does at an interpreter's start-up with it (zero-code activation)
+    os.environ.clear()
+    os.environ.update(env)
+    activation.disarm()
+    activation.activate_from_environment()
     torch.set_num_threads(1)
     init_test_group(rank, world_size, init_method,
                     datetime.timedelta(seconds=collective_timeout_s))
@@ -92,19 +116,21 @@ def _worker(rank: int, world_size: int, init_method: str, fn: Callable, args: tu
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 240.0,
               collective_timeout_s: float = 60.0, check: bool = True) -> list[RankResult | None]:
-    """Run ``fn(rank, world_size, *args)`` on ``world_size`` spawned gloo ranks.
+    """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks (forked from the
+    fork server, :func:`_context`).
 
     ``fn`` must be importable (module level). With ``check`` (default) any error or hang
     raises :class:`RanksFailed`; otherwise the per-rank results are returned (``None`` for a
     rank that never reported).
     """
-    ctx = mp.get_context("spawn")
+    ctx = _context()
     results_q = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_method = f"file://{os.path.join(tmp, 'rendezvous')}"
         procs = [
             ctx.Process(target=_worker, args=(r, world_size, init_method, fn, args,
-                                              collective_timeout_s, results_q), daemon=False)
+                                              collective_timeout_s, results_q,
+                                              dict(os.environ)), daemon=False)
             for r in range(world_size)
         ]
         for p in procs:
