@@ -274,16 +274,17 @@ def run_case(rank: int, ws: int, case: Case, root: str) -> dict:
         path = os.path.join(directory, f"__{rank}_0.distcp")
         os.mkdir(path) if case.failure == "EISDIR" else os.mkfifo(path)
     queue = None if case.path == "sync" else AsyncCallsQueue(persistent=case.path == "persistent")
+    saved: dict = {}  # the save thread's own outcome
     out: dict = {}
     orphans: list[psutil.Process] = []
     started = time.monotonic()
-    thread = _save_in_thread(case, directory, rank, ws, queue, out)
+    thread = _save_in_thread(case, directory, rank, ws, queue, saved)
     if case.failure == "killed" and rank == FAILING_RANK:
         out["killed"] = _kill_victims(case, queue, thread, orphans)
-    _until_every_rank_ended_or_stuck(rank, ws, thread, os.path.join(root, case.name), out)
+    _until_every_rank_ended_or_stuck(rank, ws, thread, os.path.join(root, case.name), saved, out)
     out["seconds"] = round(time.monotonic() - started, 1)
     out["metadata"] = os.path.exists(os.path.join(directory, ".metadata"))
-    if queue is not None and not thread.is_alive():
+    if queue is not None and out["outcome"] != "waiting":
         queue.close(abort=out["outcome"] == "error")
     out["orphans"] = _alive_after(orphans, DEATH_GRACE_S)  # the killed writer's own writers
     # stuck writers, megatron-core's results manager: not past the test
@@ -303,7 +304,7 @@ def _collectives_started() -> int:
 
 
 def _until_every_rank_ended_or_stuck(rank: int, ws: int, thread: threading.Thread,
-                                     prefix: str, out: dict) -> None:
+                                     prefix: str, saved: dict, out: dict) -> None:
     """Wait for this rank's save to end, or to be stuck for good: waiting (``STUCK_S``) in
     a writer wait after its writer failed, or in a collective that no other rank will join
     (every other rank ended, and this rank started more collectives than any of them: an
@@ -311,7 +312,9 @@ def _until_every_rank_ended_or_stuck(rank: int, ws: int, thread: threading.Threa
     the others ended is not taken for a stuck one). Each rank leaves a marker
     (``<prefix>.<rank>``: ``ended|waiting <collectives started>``) and returns once every
     rank did, so no rank's exit ends another's wait; ``out["ranks_waiting"]`` lists the
-    ranks that reported waiting, the same list on every rank."""
+    ranks that reported waiting, the same list on every rank. The verdict is taken when the
+    marker is written: ``saved`` (the save thread's outcome) is copied into ``out`` then, and
+    a stuck save thread that fails later (its peer left the process group) changes nothing."""
     mine = f"{prefix}.{rank}"
     since = None
     deadline = time.monotonic() + DEADLINE_S
@@ -326,16 +329,18 @@ def _until_every_rank_ended_or_stuck(rank: int, ws: int, thread: threading.Threa
                                            (alone and _in_collective(waits)))
             since = (since or time.monotonic()) if stuck else None
             if not thread.is_alive() or (since and time.monotonic() - since >= STUCK_S):
-                if thread.is_alive():
-                    out.update(outcome="waiting", waits=[w.split(" (")[0] for w in waits][:8])
-                _write_marker(mine, "waiting" if thread.is_alive() else "ended")
+                alive = thread.is_alive()
+                out.update(dict(outcome="waiting", waits=[w.split(" (")[0] for w in waits][:8])
+                           if alive else saved)
+                _write_marker(mine, "waiting" if alive else "ended")
         markers = [_marker(f"{prefix}.{r}") for r in range(ws)]
         if all(m is not None for m in markers):
             out["ranks_waiting"] = [r for r, (state, _) in enumerate(markers)
                                     if state == "waiting"]
             return
-    if thread.is_alive():
-        out.update(outcome="waiting", waits=[w.split(" (")[0] for w in _waits(thread)][:8])
+    if "outcome" not in out:  # the deadline passed before this rank's verdict
+        out.update(dict(outcome="waiting", waits=[w.split(" (")[0] for w in _waits(thread)][:8])
+                   if thread.is_alive() else saved)
 
 
 def _write_marker(path: str, state: str) -> None:
