@@ -150,8 +150,10 @@ def test_upstream_still_fails(upstream_in_step, run):
         assert all(o.load_error is None and not o.wrong_values for o in outcomes), outcomes
 
 
-#: What a rank that upstream leaves behind ends with: the peer's crash, or a hang.
-PEER_LEFT_BEHIND = ("Connection closed by peer", "timed out", "Timed out")
+#: What a rank that upstream leaves behind ends with: the peer's crash (gloo reads an orderly
+#: close or, when the peer's process ended with bytes unread on its socket, a reset), or a hang.
+PEER_LEFT_BEHIND = ("Connection closed by peer", "Connection reset by peer", "timed out",
+                    "Timed out")
 
 
 @pytest.mark.parametrize("run", [r for r, s in UPSTREAM_FAILS_AT.items() if s == "save"], ids=_name)

@@ -97,7 +97,8 @@ def test_upstream_without_the_flag_fails_every_save_after_the_change():
     errors = [r.value.save_error if r is not None and r.ok else r for r in results]
     assert errors[0].startswith("CheckpointingException: Invalid sharding pattern validation")
     assert "ShardedTensor(key='new'" in errors[0] and "replica_id=1" in errors[0], errors
-    assert any(p in str(errors[1]) for p in ("Connection closed by peer", "imed out")), errors
+    assert any(p in str(errors[1]) for p in ("Connection closed by peer",
+                                             "Connection reset by peer", "imed out")), errors
 
 
 def test_resetting_only_the_wrappers_own_cache_is_not_enough():
