@@ -25,8 +25,6 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from . import activation
-
 logger = logging.getLogger(__name__)
 
 
@@ -84,23 +82,35 @@ def init_test_group(rank: int, world_size: int, init_method: str,
 PRELOAD = ("torch", "torch.distributed.checkpoint", "torch.distributed.tensor", "numpy")
 
 
+#: Variables that change while a test session runs without changing what a rank starts with.
+_VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})
+
+
+def _environment() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k not in _VOLATILE}
+
+
+#: The environment the fork server starts with: the process's own when it imported this
+#: module (before any test set a variable for its ranks).
+_SERVER_ENV = _environment()
+
+
 def _context() -> Any:
     """Ranks are forked from one server process that imported :data:`PRELOAD` (Python's
-    ``forkserver``: a fresh, single-threaded process, unlike a fork of the caller)."""
+    ``forkserver``: a fresh, single-threaded process, unlike a fork of the caller), while
+    the caller's environment is the one that server started with. Otherwise they are
+    spawned: an interpreter's start-up reads the environment (``PYTHONPATH``, a
+    ``sitecustomize`` on it, the package's activation switch in its ``.pth`` file), and a
+    forked rank would carry the server's start-up instead of the caller's."""
+    if _environment() != _SERVER_ENV:
+        return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
     return ctx
 
 
 def _worker(rank: int, world_size: int, init_method: str, fn: Callable, args: tuple,
-            collective_timeout_s: float, results: Any, env: dict[str, str]) -> None:
-    # the fork server's environment is the caller's when it started; a rank gets the
-    # caller's environment of this call (tests set variables for their ranks), and what the
-    # package's .pth file does at an interpreter's start-up with it (zero-code activation)
-    os.environ.clear()
-    os.environ.update(env)
-    activation.disarm()
-    activation.activate_from_environment()
+            collective_timeout_s: float, results: Any) -> None:
     torch.set_num_threads(1)
     init_test_group(rank, world_size, init_method,
                     datetime.timedelta(seconds=collective_timeout_s))
@@ -117,7 +127,7 @@ def _worker(rank: int, world_size: int, init_method: str, fn: Callable, args: tu
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 240.0,
               collective_timeout_s: float = 60.0, check: bool = True) -> list[RankResult | None]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks (forked from the
-    fork server, :func:`_context`).
+    fork server, or spawned where the environment changed: :func:`_context`).
 
     ``fn`` must be importable (module level). With ``check`` (default) any error or hang
     raises :class:`RanksFailed`; otherwise the per-rank results are returned (``None`` for a
@@ -129,8 +139,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
         init_method = f"file://{os.path.join(tmp, 'rendezvous')}"
         procs = [
             ctx.Process(target=_worker, args=(r, world_size, init_method, fn, args,
-                                              collective_timeout_s, results_q,
-                                              dict(os.environ)), daemon=False)
+                                              collective_timeout_s, results_q), daemon=False)
             for r in range(world_size)
         ]
         for p in procs:

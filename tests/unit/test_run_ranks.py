@@ -1,10 +1,13 @@
-"""``run_ranks`` forks its ranks from a fork server that started once, with the environment
-of that moment: each rank must still see the caller's environment of its own call, and the
-package's start-up activation hook must act on it, as in a freshly spawned interpreter."""
+"""``run_ranks`` forks its ranks from a fork server that imported torch once, while the
+caller's environment is the one that server started with; a rank must still start as a fresh
+interpreter would with the caller's environment of its own call (its variables, the
+package's start-up activation hook, a ``sitecustomize`` on ``PYTHONPATH``)."""
 
 from __future__ import annotations
 
 import os
+
+import psutil
 
 from megatron_ckpt_fixes import _after_import
 from megatron_ckpt_fixes.activation import ENV, TRIGGER
@@ -13,20 +16,26 @@ from megatron_ckpt_fixes.testing import run_ranks
 
 def _seen(rank: int, world_size: int) -> dict:
     return {"var": os.environ.get("MCF_TEST_RUN_RANKS_VAR"),
-            "gone": os.environ.get("MCF_TEST_RUN_RANKS_GONE"),
-            "armed": _after_import.pending().get(TRIGGER, 0)}
+            "armed": _after_import.pending().get(TRIGGER, 0),
+            "sitecustomize": os.environ.get("MCF_TEST_RUN_RANKS_SITE"),
+            "forked": "multiprocessing.forkserver" in " ".join(
+                psutil.Process(os.getppid()).cmdline())}
 
 
-def test_each_call_gives_its_ranks_the_callers_environment(monkeypatch):
-    monkeypatch.setenv("MCF_TEST_RUN_RANKS_GONE", "set before the fork server started")
+def test_each_call_gives_its_ranks_the_callers_environment(monkeypatch, tmp_path):
     monkeypatch.delenv(ENV, raising=False)
-    first = [r.value for r in run_ranks(_seen, 2)]  # starts the fork server (if not yet)
-    assert first == [{"var": None, "gone": "set before the fork server started",
-                      "armed": 0}] * 2
+    first = [r.value for r in run_ranks(_seen, 2)]
+    assert [v["var"] for v in first] == [None, None] and all(v["armed"] == 0 for v in first)
+    again = [r.value for r in run_ranks(_seen, 2)]
+    if first[0]["forked"]:  # the fork server started with this environment: it is used again
+        assert all(v["forked"] for v in again), again
 
-    monkeypatch.delenv("MCF_TEST_RUN_RANKS_GONE")
+    (tmp_path / "sitecustomize.py").write_text(
+        "import os\nos.environ['MCF_TEST_RUN_RANKS_SITE'] = 'ran'\n")
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
+        filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
     monkeypatch.setenv("MCF_TEST_RUN_RANKS_VAR", "set later")
     monkeypatch.setenv(ENV, "1")  # zero-code activation, read at an interpreter's start-up
     later = [r.value for r in run_ranks(_seen, 2)]
-    assert all(v["var"] == "set later" and v["gone"] is None for v in later), later
+    assert all(v["var"] == "set later" and v["sitecustomize"] == "ran" for v in later), later
     assert all(v["armed"] >= 1 for v in later), later  # the hook waits for megatron.core
