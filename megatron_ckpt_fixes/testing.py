@@ -25,6 +25,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from .activation import ENV
+
 logger = logging.getLogger(__name__)
 
 
@@ -82,27 +84,24 @@ def init_test_group(rank: int, world_size: int, init_method: str,
 PRELOAD = ("torch", "torch.distributed.checkpoint", "torch.distributed.tensor", "numpy")
 
 
-#: Variables that change while a test session runs without changing what a rank starts with.
-_VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})
+def _startup_environment() -> dict[str, str]:
+    """The variables an interpreter's start-up reads: Python's own (``PYTHONPATH``, and a
+    ``sitecustomize`` found on it) and the package's activation switch (its ``.pth`` file)."""
+    return {k: v for k, v in os.environ.items() if k.startswith("PYTHON") or k == ENV}
 
 
-def _environment() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if k not in _VOLATILE}
-
-
-#: The environment the fork server starts with: the process's own when it imported this
-#: module (before any test set a variable for its ranks).
-_SERVER_ENV = _environment()
+#: What the fork server starts with: the process's start-up variables when it imported this
+#: module (before any test set one for its ranks; imports set others, such as torch's
+#: ``TORCHINDUCTOR_CACHE_DIR``, which each rank gets from its caller).
+_SERVER_STARTUP = _startup_environment()
 
 
 def _context() -> Any:
     """Ranks are forked from one server process that imported :data:`PRELOAD` (Python's
     ``forkserver``: a fresh, single-threaded process, unlike a fork of the caller), while
-    the caller's environment is the one that server started with. Otherwise they are
-    spawned: an interpreter's start-up reads the environment (``PYTHONPATH``, a
-    ``sitecustomize`` on it, the package's activation switch in its ``.pth`` file), and a
-    forked rank would carry the server's start-up instead of the caller's."""
-    if _environment() != _SERVER_ENV:
+    the caller's start-up variables are the ones that server started with. Otherwise they
+    are spawned: a forked rank would carry the server's start-up instead of the caller's."""
+    if _startup_environment() != _SERVER_STARTUP:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(list(PRELOAD))
@@ -110,7 +109,10 @@ def _context() -> Any:
 
 
 def _worker(rank: int, world_size: int, init_method: str, fn: Callable, args: tuple,
-            collective_timeout_s: float, results: Any) -> None:
+            collective_timeout_s: float, results: Any, env: dict[str, str] | None) -> None:
+    if env is not None:  # forked: the fork server's variables, the caller's instead
+        os.environ.clear()
+        os.environ.update(env)
     torch.set_num_threads(1)
     init_test_group(rank, world_size, init_method,
                     datetime.timedelta(seconds=collective_timeout_s))
@@ -134,12 +136,14 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
     rank that never reported).
     """
     ctx = _context()
+    env = dict(os.environ) if ctx.get_start_method() == "forkserver" else None
     results_q = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_method = f"file://{os.path.join(tmp, 'rendezvous')}"
         procs = [
             ctx.Process(target=_worker, args=(r, world_size, init_method, fn, args,
-                                              collective_timeout_s, results_q), daemon=False)
+                                              collective_timeout_s, results_q,
+                                              env), daemon=False)
             for r in range(world_size)
         ]
         for p in procs:

@@ -26,15 +26,16 @@ def test_each_call_gives_its_ranks_the_callers_environment(monkeypatch, tmp_path
     monkeypatch.delenv(ENV, raising=False)
     first = [r.value for r in run_ranks(_seen, 2)]
     assert [v["var"] for v in first] == [None, None] and all(v["armed"] == 0 for v in first)
+    monkeypatch.setenv("MCF_TEST_RUN_RANKS_VAR", "set later")  # read by the rank, not at start-up
     again = [r.value for r in run_ranks(_seen, 2)]
-    if first[0]["forked"]:  # the fork server started with this environment: it is used again
+    assert all(v["var"] == "set later" for v in again), again
+    if first[0]["forked"]:  # the fork server started with these start-up variables: used again
         assert all(v["forked"] for v in again), again
 
     (tmp_path / "sitecustomize.py").write_text(
         "import os\nos.environ['MCF_TEST_RUN_RANKS_SITE'] = 'ran'\n")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
         filter(None, [str(tmp_path), os.environ.get("PYTHONPATH")])))
-    monkeypatch.setenv("MCF_TEST_RUN_RANKS_VAR", "set later")
     monkeypatch.setenv(ENV, "1")  # zero-code activation, read at an interpreter's start-up
     later = [r.value for r in run_ranks(_seen, 2)]
     assert all(v["var"] == "set later" and v["sitecustomize"] == "ran" for v in later), later
