@@ -129,7 +129,7 @@ def _worker(rank: int, world_size: int, init_method: str, fn: Callable, args: tu
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: float = 240.0,
               collective_timeout_s: float = 60.0, check: bool = True) -> list[RankResult | None]:
     """Run ``fn(rank, world_size, *args)`` on ``world_size`` gloo ranks (forked from the
-    fork server, or spawned where the environment changed: :func:`_context`).
+    fork server, or spawned where the start-up variables changed: :func:`_context`).
 
     ``fn`` must be importable (module level). With ``check`` (default) any error or hang
     raises :class:`RanksFailed`; otherwise the per-rank results are returned (``None`` for a

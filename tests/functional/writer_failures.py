@@ -329,18 +329,23 @@ def _until_every_rank_ended_or_stuck(rank: int, ws: int, thread: threading.Threa
                                            (alone and _in_collective(waits)))
             since = (since or time.monotonic()) if stuck else None
             if not thread.is_alive() or (since and time.monotonic() - since >= STUCK_S):
-                alive = thread.is_alive()
-                out.update(dict(outcome="waiting", waits=[w.split(" (")[0] for w in waits][:8])
-                           if alive else saved)
-                _write_marker(mine, "waiting" if alive else "ended")
+                out.update(_verdict(thread, waits, saved))
+                _write_marker(mine, "waiting" if out["outcome"] == "waiting" else "ended")
         markers = [_marker(f"{prefix}.{r}") for r in range(ws)]
         if all(m is not None for m in markers):
             out["ranks_waiting"] = [r for r, (state, _) in enumerate(markers)
                                     if state == "waiting"]
             return
     if "outcome" not in out:  # the deadline passed before this rank's verdict
-        out.update(dict(outcome="waiting", waits=[w.split(" (")[0] for w in _waits(thread)][:8])
-                   if thread.is_alive() else saved)
+        out.update(_verdict(thread, _waits(thread) if thread.is_alive() else [], saved))
+
+
+def _verdict(thread: threading.Thread, waits: list[str], saved: dict) -> dict:
+    """A rank's outcome now: waiting (with the functions it waits in) while its save thread
+    lives, else what the thread saved."""
+    if thread.is_alive():
+        return {"outcome": "waiting", "waits": [w.split(" (")[0] for w in waits][:8]}
+    return dict(saved)
 
 
 def _write_marker(path: str, state: str) -> None:

@@ -1,7 +1,7 @@
 """``run_ranks`` forks its ranks from a fork server that imported torch once, while the
-caller's environment is the one that server started with; a rank must still start as a fresh
-interpreter would with the caller's environment of its own call (its variables, the
-package's start-up activation hook, a ``sitecustomize`` on ``PYTHONPATH``)."""
+caller's start-up variables are the ones that server started with; a rank must still see the
+caller's environment of its own call, and start as a fresh interpreter would where start-up
+variables changed (the package's activation hook, a ``sitecustomize`` on ``PYTHONPATH``)."""
 
 from __future__ import annotations
 
