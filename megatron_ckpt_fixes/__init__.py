@@ -54,6 +54,7 @@ FEATURES: tuple[str, ...] = (
     "snapshot",
     "snapshot.nvrx",
     "checksums",
+    "writeback",  # after checksums: its stream is the file itself, not the checksum's tap
     "reshard.tzrec",
     "writer_failures",  # after checksums: its metadata-write hold wraps the record's write
 )
