@@ -85,8 +85,8 @@ def writing_back_write_item(original: Callable[..., Any]) -> Callable[..., Any]:
             return original(*args, **kwargs)
         result = original(*args, **kwargs)
         end = stream.tell()
-        if end - start >= MIN_BYTES:
-            start_writeback(stream, start, end)
+        if isinstance(start, int) and isinstance(end, int) and end - start >= MIN_BYTES:
+            start_writeback(stream, start, end)  # (a stand-in stream's positions: nothing)
         return result
 
     return _write_item
