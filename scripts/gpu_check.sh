@@ -1,10 +1,14 @@
 #!/usr/bin/env bash
 # The fixes' own tests on CUDA/NCCL, for a machine with GPUs. Not part of CI (CI has no GPU)
-# and nothing depends on it; it has not run on a GPU yet (README, Known limits).
+# and nothing depends on it; last run on one H200 (single-process tests only: README, Known
+# limits).
 #
 #   bash scripts/gpu_check.sh                     # the python3 on PATH holds a CUDA torch
 #   MCF_WHEELS=.whl bash scripts/gpu_check.sh     # + wheels to install offline (megatron-core,
 #                                                 #   xxhash, transformer-engine, ...), --no-deps
+# The MLite wiring tests read the snapshots (MCF_UPSTREAM_SNAPSHOTS: its folder needs only
+# SHA256SUMS, with ../megatron-lite beside it); the NeMo Automodel ones need nemo-automodel
+# 0.7.0 and transformers 5.18.0 among the wheels.
 #
 # The test ranks' process groups are "cpu:gloo,cuda:nccl" (MCF_TEST_BACKEND, read by
 # megatron_ckpt_fixes.testing and the tests' single-rank fixture), each rank on its own GPU:
@@ -83,5 +87,8 @@ else
   echo "gpu_check: transformer-engine is not importable: the runs below are without it"
 fi
 if (( ${#selection[@]} )); then step selection "${selection[@]}"; fi
-step marked-cuda -m cuda tests
+# Collecting every test module needs every optional system (TorchRec, ...) importable: only
+# when some test carries the marker.
+if grep -rqs --include='*.py' "mark.cuda" tests; then step marked-cuda -m cuda tests
+else echo "gpu_check: marked-cuda: no tests"; fi
 exit $failed
