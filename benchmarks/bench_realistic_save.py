@@ -45,8 +45,8 @@ all-fixes save; and verification throughput in GiB/s of checkpoint bytes.
 Targets (printed, each met or not): all fixes / upstream cached <= 1.00 (paired median,
 wall), the same for the asynchronous saves, the snapshot's copy included; the writer's CPU
 time, all fixes / upstream <= 0.90; the fixes' save >= 90 % of raw write+fsync of the same
-bytes (printed beside it: the share of the raw write with early writeback); verification >= 2x upstream's SHA-256 manifest per GiB, from disk and from the page
-cache. ``--ranks 1`` is the case of a GPU node's spare cores: one writer, and a free core
+bytes (printed beside it: the share of the raw write with early writeback); verification
+>= 2x upstream's SHA-256 manifest per GiB, from disk and from the page cache. ``--ranks 1`` is the case of a GPU node's spare cores: one writer, and a free core
 for the hashing to overlap the I/O.
 
     python benchmarks/bench_realistic_save.py [--layers 8] [--hidden 1024] [--rounds 5] [--dir DIR]
