@@ -337,7 +337,7 @@ def _until_every_rank_ended_or_stuck(rank: int, ws: int, thread: threading.Threa
                                     if state == "waiting"]
             return
     if "outcome" not in out:  # the deadline passed before this rank's verdict
-        out.update(_verdict(thread, _waits(thread) if thread.is_alive() else [], saved))
+        out.update(_verdict(thread, _waits(thread), saved))  # no frames once it ended
 
 
 def _verdict(thread: threading.Thread, waits: list[str], saved: dict) -> dict:
