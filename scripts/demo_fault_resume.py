@@ -4,6 +4,7 @@
     python scripts/demo_fault_resume.py            # with the fixes (install())
     python scripts/demo_fault_resume.py --upstream # plain megatron-core (CPU/gloo support only)
     python scripts/demo_fault_resume.py --verbose  # and the ranks' Python warnings
+    python scripts/demo_fault_resume.py --out DIR  # checkpoints and logs in DIR (new or empty)
 
 Part 1. A 2-rank job (TP=2, gloo on CPU) saves every iteration with
 ``--ckpt-assume-constant-structure``; megatron-core's error injector makes step 5 give a
@@ -25,9 +26,12 @@ uninterrupted run. Upstream keeps the stale cached plan: the state is missing fr
 checkpoints and the resume fails at load.
 
 The demo checks that every outcome is the one expected for the megatron-core installed
-(detected from its behaviour), and exits 1 otherwise. The ranks' Python warnings
-(megatron-core's import-time notes that Apex and Transformer Engine are absent, its
-deprecations: two thirds of the output) are not printed unless ``--verbose``.
+(detected from its behaviour), and exits 1 otherwise; its last line sums it up
+(``demo OK: ...`` or ``demo FAILED: ...``) and names the folder that holds its checkpoints and
+logs: a new one per run (``tempfile.mkdtemp``), or ``--out DIR``, which must be new or empty.
+The ranks' Python warnings (megatron-core's import-time notes that Apex and Transformer
+Engine are absent, its deprecations: two thirds of the output) are not printed unless
+``--verbose``.
 """
 
 from __future__ import annotations
@@ -36,7 +40,6 @@ import argparse
 import json
 import os
 import re
-import shutil
 import subprocess
 import sys
 import tempfile
@@ -156,29 +159,49 @@ def structure_part(workdir: Path, upstream: bool) -> bool:
                    f"{RESUME_AT} continues bitwise like the uninterrupted run")
 
 
-def main() -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The demo's options; ``out`` is a new folder (``tempfile.mkdtemp``) unless given."""
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--workdir", type=Path,
-                   default=Path(tempfile.gettempdir()) / "megatron_ckpt_fixes_demo",
-                   help="checkpoints and logs go here (emptied first)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="checkpoints and logs go here (a new or empty folder; default: a new "
+                        "temporary folder per run)")
     p.add_argument("--upstream", action="store_true",
                    help="plain megatron-core (only CPU/gloo support): shows what still fails")
     p.add_argument("--verbose", action="store_true",
                    help="print the ranks' Python warnings too (import-time notes, deprecations)")
-    args = p.parse_args()
+    args = p.parse_args(argv)
+    if args.out is None:
+        args.out = Path(tempfile.mkdtemp(prefix="megatron_ckpt_fixes_demo-"))
+    elif args.out.exists() and (not args.out.is_dir() or any(args.out.iterdir())):
+        p.error(f"--out {args.out}: not an empty folder (the demo never overwrites files)")
+    else:
+        args.out.mkdir(parents=True, exist_ok=True)
+    return args
+
+
+def summary(results: dict[str, bool], upstream: bool, out: Path) -> str:
+    """The demo's last line: every part's verdict and where its checkpoints and logs are."""
+    ok = all(results.values())
+    mode = "plain megatron-core, every failure as expected" if upstream else "with the fixes"
+    parts = "; ".join(f"{name} {'ok' if good else 'UNEXPECTED'}"
+                      for name, good in results.items())
+    return f"demo {'OK' if ok else 'FAILED'} ({mode}): {parts}; checkpoints and logs at {out}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     if not args.verbose:
         os.environ.update(QUIET)  # read by the ranks' interpreters at their start
         warnings.simplefilter("ignore")  # this one, which imports megatron-core below
-    shutil.rmtree(args.workdir, ignore_errors=True)
-    args.workdir.mkdir(parents=True)
 
     from megatron_ckpt_fixes.rerun.sentinel import upstream_emits_sentinel
 
     sentinel_upstream = upstream_emits_sentinel() is not None
-    results = [fault_part(args.workdir, args.upstream, sentinel_upstream),
-               structure_part(args.workdir, args.upstream)]
-    print(f"\ncheckpoints and logs: {args.workdir}")
-    return 0 if all(results) else 1
+    results = {"part 1 (fault, exit 16, relaunch, rerun)":
+               fault_part(args.out, args.upstream, sentinel_upstream),
+               "part 2 (structure change, resume)": structure_part(args.out, args.upstream)}
+    print(f"\n{summary(results, args.upstream, args.out)}", flush=True)
+    return 0 if all(results.values()) else 1
 
 
 if __name__ == "__main__":
