@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The fixes' own tests on CUDA/NCCL, for a machine with GPUs. Not part of CI (CI has no GPU)
-# and nothing depends on it; last run on one H200 (single-process tests only: README, Known
-# limits).
+# and nothing depends on it; last run on one H200 (single-process tests only:
+# docs/compatibility.md, Known limits; docs/development.md, The GPU check).
 #
 #   bash scripts/gpu_check.sh                     # the python3 on PATH holds a CUDA torch
 #   MCF_WHEELS=.whl bash scripts/gpu_check.sh     # + wheels to install offline (megatron-core,

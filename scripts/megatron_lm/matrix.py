@@ -11,7 +11,7 @@ plain megatron-core on the same CPU platform; ``+cs``: ``--ckpt-assume-constant-
 added; default: both with it), then every structure scenario (``scenarios.py``) fixed and
 upstream. Writes ``OUT/matrix-<megatron-core version>.md`` and ``.json``. One release per
 invocation: run it once in each environment; ``--table`` puts the releases' results side by
-side, compactly (the README's table).
+side, compactly (the table in docs/megatron_lm.md).
 """
 
 from __future__ import annotations
