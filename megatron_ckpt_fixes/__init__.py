@@ -220,6 +220,7 @@ def installed() -> dict[str, str]:
     """Each applied patch with why it is needed, then each chosen patch that was not applied
     (``"not applied: ..."``: upstream already has the fix here, an optional one's upstream
     symbol is missing, or its system is not installed; ``"waiting: ..."``: its system is
-    installed but not imported yet)."""
+    installed but not imported yet). For a person: :func:`megatron_ckpt_fixes.status.report`,
+    ``megatron-ckpt-fixes status``."""
     with _lock:
         return {**_patches.describe(), **_not_applied}

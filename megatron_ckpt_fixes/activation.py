@@ -20,7 +20,16 @@ nothing for megatron-core. An interpreter that imports none of them (a launcher 
 torchrun, a tool, a data-loader worker) only pays for importing this module; a training
 script has every fix in place before its first line that can reach a checkpoint entry
 point. A bad value is an error at the megatron-core import, where it matters, not a
-traceback in every interpreter.
+traceback in every interpreter; left uncaught there it is one line, not a traceback
+(:data:`~.verbosity.VERBOSE_ENV` for the traceback).
+
+Once the fixes are in, rank 0's interpreter prints one line to stderr, where a user of
+``pretrain_gpt.py`` sees it: the release patched, how many patches, and what was not applied
+(:func:`megatron_ckpt_fixes.status.activation_line`; ``megatron-ckpt-fixes status`` gives the
+details). Other ranks, and the processes rank 0 starts through ``multiprocessing``
+(megatron-core's spawned checkpoint workers, a forkserver importing the main script), stay
+quiet. Nothing is written to the environment, so a process's later, unrelated children
+report for themselves.
 """
 
 from __future__ import annotations
@@ -28,7 +37,9 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import sys
 from collections.abc import Sequence
+from types import TracebackType
 
 from . import _after_import
 from .errors import MegatronCkptFixesError
@@ -71,19 +82,58 @@ def parse_features(value: str | None) -> tuple[str, ...] | None:
         raise ActivationError(
             f"{ENV}={value!r} names {what}; use 1 (the default features) or a "
             f"comma-separated list of {list(FEATURES + OPTIONAL_FEATURES)} (default: all of "
-            "FEATURES)")
+            "FEATURES), or unset it")
     return tuple(features)
 
 
-def _install(features: tuple[str, ...], value: str) -> None:
+def switched_on(value: str | None) -> bool:
+    """Whether a switch value asks for anything (unset, empty, ``0``, ``off``: no)."""
+    return (value or "").strip().lower() not in _OFF
+
+
+def _reports_here() -> bool:
+    """Rank 0 (``RANK``, else ``LOCAL_RANK``, unset or 0), in a process that ``multiprocessing``
+    did not start: neither its child (spawn, forkserver) nor a process importing the parent's
+    main script for one (``_inheriting``: the forkserver's preload of ``__main__``)."""
+    import multiprocessing
+
+    rank = os.environ.get("RANK") or os.environ.get("LOCAL_RANK") or "0"
+    helper = multiprocessing.parent_process() is not None or getattr(
+        multiprocessing.current_process(), "_inheriting", False)
+    return rank.strip() == "0" and not helper
+
+
+def _install(system: str, features: tuple[str, ...], value: str) -> None:
     import megatron_ckpt_fixes
 
-    names = megatron_ckpt_fixes.install(features)
-    logger.info("megatron_ckpt_fixes activated (%s=%s): %d patches", ENV, value, len(names))
+    from .status import activation_line
+
+    megatron_ckpt_fixes.install(features)
+    line = activation_line(megatron_ckpt_fixes.installed(), system, f"{ENV}={value}")
+    if _reports_here():
+        print(line, file=sys.stderr, flush=True)
+    else:
+        logger.debug("%s", line)
 
 
 def _refuse(error: ActivationError) -> None:
     raise error
+
+
+def _one_line_excepthook(previous: object) -> object:
+    """``sys.excepthook`` that prints an uncaught :class:`ActivationError` as one line (the
+    switch's value and what to set instead) rather than the import's traceback."""
+
+    def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
+        from .verbosity import verbose_requested
+
+        if isinstance(exc, ActivationError) and not verbose_requested():
+            print(f"megatron_ckpt_fixes: error: {exc}", file=sys.stderr, flush=True)
+            return
+        previous(kind, exc, tb)  # type: ignore[operator]
+
+    hook.one_line_activation_errors = True  # type: ignore[attr-defined]
+    return hook
 
 
 def _is_activation(callback: object) -> bool:
@@ -114,16 +164,18 @@ def arm(value: str) -> None:
     try:
         features = parse_features(value)
     except ActivationError as error:
+        if not getattr(sys.excepthook, "one_line_activation_errors", False):
+            sys.excepthook = _one_line_excepthook(sys.excepthook)
         _after_import.after_import(TRIGGER, functools.partial(_refuse, error))
         return
     if features is None:
         return
     for system, group in by_system(features).items():
-        _after_import.after_import(system, functools.partial(_install, group, value))
+        _after_import.after_import(system, functools.partial(_install, system, group, value))
 
 
 def activate_from_environment() -> None:
     """Called at interpreter start-up by the package's ``.pth`` file when :data:`ENV` is set."""
     value = os.environ.get(ENV, "")
-    if value.strip().lower() not in _OFF:
+    if switched_on(value):
         arm(value)

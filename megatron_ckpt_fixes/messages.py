@@ -5,11 +5,18 @@ not in state dict: [...]"`` lists all of them (7,000 characters for a tiny GPT).
 names the failing key is enough; :func:`shorten` keeps each quoted list's first items and
 counts the rest, and cuts what is still longer than :data:`LIMIT`, saying how much it cut.
 The full text stays where it came from (the exception; ``--verbose`` prints tracebacks).
+
+:class:`OneLineParser`: the tools' bad command lines get one line too, by rank 0 only, since
+every rank of a job parses the same command line.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import re
+import sys
+from typing import NoReturn
 
 #: At most this many characters per line (a 100-column terminal, about 8 rows).
 LIMIT = 800
@@ -42,3 +49,13 @@ def shorten_line(line: str) -> str:
 def shorten(text: str) -> str:
     """:func:`shorten_line` for every line of ``text``."""
     return "\n".join(shorten_line(line) for line in text.splitlines())
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but a bad command line is one line, printed by rank 0 only (``RANK`` unset
+    or 0; the other ranks exit quietly), and exit code 2 as argparse gives."""
+
+    def error(self, message: str) -> NoReturn:
+        if os.environ.get("RANK", "0") == "0":
+            print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr, flush=True)
+        sys.exit(2)

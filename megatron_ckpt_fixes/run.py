@@ -10,17 +10,21 @@ The script runs as ``__main__`` exactly as ``python SCRIPT ARGS`` would run it (
 package is found first). ``--features`` defaults to every default feature and takes the
 same values as the ``MEGATRON_CKPT_FIXES`` environment switch, which this sets for the
 processes the job starts (see :mod:`megatron_ckpt_fixes.activation`).
+
+A command that cannot start (no script, a script or module that is not there, a bad feature
+list) is one line and exit code 2 before anything runs, rather than runpy's traceback.
 """
 
 from __future__ import annotations
 
-import argparse
+import importlib.util
 import os
 import runpy
 import sys
 from collections.abc import Sequence
 
 from .activation import ENV, ActivationError, arm, parse_features
+from .messages import OneLineParser
 
 
 def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
@@ -38,9 +42,24 @@ def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:
     return ours, argv
 
 
+def _missing(command: list[str]) -> str | None:
+    """Why ``command`` cannot start (its script or module is not there), or None."""
+    if command[0] != "-m":
+        if os.path.isfile(command[0]):
+            return None
+        return (f"no script {command[0]!r} (from {os.getcwd()}); give the path of the script "
+                "to run, or -m MODULE")
+    try:
+        found = importlib.util.find_spec(command[1]) is not None
+    except (ImportError, ValueError):  # a parent package is missing too
+        found = False
+    return None if found else (f"no module {command[1]!r} on sys.path (from {os.getcwd()}); "
+                               "install it, or give the path of a script")
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     ours, command = _split(sys.argv[1:] if argv is None else argv)
-    parser = argparse.ArgumentParser(
+    parser = OneLineParser(
         prog="megatron-ckpt-fixes run",
         usage="%(prog)s [--features F,...] -- SCRIPT ARGS... | -m MODULE ARGS...",
         description=__doc__.split("\n\n")[0])
@@ -53,12 +72,16 @@ def main(argv: Sequence[str] | None = None) -> None:
     except ActivationError as exc:
         parser.error(str(exc))
     if not command or command == ["-m"]:
-        parser.error("no script to run")
+        parser.error("no script to run: run -- SCRIPT ARGS... or run -- -m MODULE ARGS...")
+    if command[0] == "-m":
+        sys.path[0] = os.getcwd()  # as python -m has it, also for finding the module
     os.environ[ENV] = args.features
-    arm(args.features)
+    arm(args.features)  # before finding a module imports its parent package
+    problem = _missing(command)
+    if problem:
+        parser.error(problem)
     if command[0] == "-m":
         sys.argv = [command[1], *command[2:]]
-        sys.path[0] = os.getcwd()
         runpy.run_module(command[1], run_name="__main__", alter_sys=True)
     else:
         script = command[0]

@@ -29,9 +29,11 @@ The demo checks that every outcome is the one expected for the megatron-core ins
 (detected from its behaviour), and exits 1 otherwise; its last line sums it up
 (``demo OK: ...`` or ``demo FAILED: ...``) and names the folder that holds its checkpoints and
 logs: a new one per run (``tempfile.mkdtemp``), or ``--out DIR``, which must be new or empty.
-The ranks' Python warnings (megatron-core's import-time notes that Apex and Transformer
-Engine are absent, its deprecations: two thirds of the output) are not printed unless
-``--verbose``.
+megatron-core's Python warnings (its import-time notes that Apex and Transformer Engine are
+absent, its deprecations: two thirds of the output) are not printed unless ``--verbose``: the
+ranks are ``scripts/train.py``, which hides them itself, as this process does
+(:mod:`megatron_ckpt_fixes.verbosity`); ``--verbose`` sets ``MEGATRON_CKPT_FIXES_VERBOSE=1``
+for them.
 """
 
 from __future__ import annotations
@@ -43,12 +45,13 @@ import re
 import subprocess
 import sys
 import tempfile
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS.parent))
+
+from megatron_ckpt_fixes.verbosity import VERBOSE_ENV, quiet_unless  # noqa: E402
 
 RUNNER = SCRIPTS / "run_with_restarts.py"
 JOB = ["--seed", "1237", "--train-iters", "8"]
@@ -60,8 +63,6 @@ MISSING_RERUN_STATE = "Missing key in checkpoint state_dict: rerun_state_machine
 #: missing key differently; both name it).
 MISSING_ADAM_STATE = re.compile(r"optimizer\.state\.exp_avg(_sq)?\.embedding\.\S+")
 RESUME_AT = 5
-#: What the jobs' ranks get without --verbose: Python warnings are not printed.
-QUIET = {"PYTHONWARNINGS": "ignore"}
 
 
 @dataclass
@@ -168,7 +169,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--upstream", action="store_true",
                    help="plain megatron-core (only CPU/gloo support): shows what still fails")
     p.add_argument("--verbose", action="store_true",
-                   help="print the ranks' Python warnings too (import-time notes, deprecations)")
+                   help="print megatron-core's warnings too (import-time notes, deprecations) "
+                        "and the ranks' tracebacks")
     args = p.parse_args(argv)
     if args.out is None:
         args.out = Path(tempfile.mkdtemp(prefix="megatron_ckpt_fixes_demo-"))
@@ -190,9 +192,8 @@ def summary(results: dict[str, bool], upstream: bool, out: Path) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    if not args.verbose:
-        os.environ.update(QUIET)  # read by the ranks' interpreters at their start
-        warnings.simplefilter("ignore")  # this one, which imports megatron-core below
+    if quiet_unless(args.verbose):  # this process imports megatron-core below
+        os.environ[VERBOSE_ENV] = "1"  # the ranks: train.py reads it
 
     from megatron_ckpt_fixes.rerun.sentinel import upstream_emits_sentinel
 

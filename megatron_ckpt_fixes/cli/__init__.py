@@ -4,6 +4,8 @@
     megatron-ckpt-fixes verify CKPT_DIR      # will it load what was saved? (exit 1 if not)
     megatron-ckpt-fixes verify --dcp DIR     # the same for a plain torch DCP checkpoint
     megatron-ckpt-fixes run [--features F,...] -- SCRIPT ARGS...   # the fixes, no code change
+    megatron-ckpt-fixes status [--all]       # what install() applies here, readably
+    python -m megatron_ckpt_fixes            # the same
 
 CKPT_DIR may be a checkpoint (``ckpt/iter_0000008``) or the save directory that training's
 ``--save`` names (``ckpt``): then the checkpoint its ``latest_checkpointed_iteration.txt``
@@ -103,7 +105,17 @@ def main(argv: Sequence[str] | None = None) -> int:
                             "and common state")
     commands.add_parser("run", help="run a script with the fixes installed: "
                                     "run [--features F,...] -- SCRIPT ARGS")
+    status = commands.add_parser("status", help="what install() applies here, per feature, "
+                                                "and why not (installs in this process only)")
+    status.add_argument("--features", default=None,
+                        help="as in MEGATRON_CKPT_FIXES (default: its value, else 1)")
+    status.add_argument("--all", action="store_true", help="every patch with its reason")
+    status.add_argument("--verbose", action="store_true", help="keep upstream's warnings")
     args = parser.parse_args(argv)
+    if args.command == "status":
+        from .status import main as status_main
+
+        return status_main(args.features, args.all, args.verbose)
     try:
         found = locate(args.checkpoint_dir)
         if found.note:

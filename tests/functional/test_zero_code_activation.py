@@ -18,6 +18,7 @@ import shutil
 import socket
 import subprocess
 import sys
+from importlib.metadata import version
 from pathlib import Path
 
 import pytest
@@ -90,6 +91,21 @@ def test_torchrun_module_run_installs_the_fixes_in_every_rank(jobs, capsys):
     root = jobs[0]
     _fully_recorded(root / "iter2")
     assert cli_main(["verify", str(root / "iter2")]) == 0, capsys.readouterr().out
+
+
+def _activation_lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "megatron_ckpt_fixes: activated" in line]
+
+
+@pytest.mark.parametrize("job", [1, 2], ids=["torchrun", "switch"])
+def test_rank_0_says_once_what_was_activated(jobs, job):
+    """One line per job, from rank 0, naming the release (before: INFO, never shown)."""
+    text = jobs[job][1]
+    assert _activation_lines(text) == [next(
+        line for line in text.splitlines() if line.startswith(
+            f"megatron_ckpt_fixes: activated on megatron-core {version('megatron-core')} "
+            f"(MEGATRON_CKPT_FIXES={FEATURES}): "))], text[-6000:]
+    assert "warnings.warn(" not in text  # train.py hides megatron-core's warnings
 
 
 def test_the_environment_switch_activates_an_unchanged_launch(jobs):

@@ -8,8 +8,11 @@ the package itself (the CI's editable install included).
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
+import multiprocessing
 import os
+import re
 import site
 import subprocess
 import sys
@@ -18,8 +21,15 @@ from pathlib import Path
 import pytest
 
 from megatron_ckpt_fixes import FEATURES
-from megatron_ckpt_fixes.activation import ENV, ActivationError, arm, parse_features
+from megatron_ckpt_fixes.activation import (
+    ENV,
+    ActivationError,
+    _reports_here,
+    arm,
+    parse_features,
+)
 from megatron_ckpt_fixes.run import main as run_main
+from megatron_ckpt_fixes.verbosity import VERBOSE_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 PTH = "megatron_ckpt_fixes-activation.pth"
@@ -32,8 +42,16 @@ state = {"mcf": "megatron_ckpt_fixes" in sys.modules, "megatron": "megatron" in 
 if "--import" in sys.argv:
     import megatron.core.dist_checkpointing, megatron_ckpt_fixes
     state["installed"] = sorted(megatron_ckpt_fixes.installed())
+    state["described"] = megatron_ckpt_fixes.installed()
     state["loader"] = type(megatron.core.__loader__).__name__
     state["hooks"] = [type(f).__name__ for f in sys.meta_path if "AfterImport" in str(type(f))]
+if "--spawn" in sys.argv:  # a child as megatron-core starts its checkpoint worker
+    import importlib, multiprocessing
+    child = multiprocessing.get_context("spawn").Process(target=importlib.import_module,
+                                                         args=("megatron.core",))
+    child.start()
+    child.join()
+    state["child"] = child.exitcode
 print(json.dumps(state))
 """
 
@@ -69,9 +87,28 @@ def test_set_in_an_interpreter_that_never_uses_megatron_core():
 
 
 def test_set_installs_the_named_features_once_megatron_core_is_imported():
-    state = _state("structure,checksums", "--import")
-    assert {name.split(".")[0] for name in state["installed"]} == {"structure", "checksums"}
+    """... and rank 0 says so in one line on stderr, where a pretrain_gpt.py user sees it
+    (logged at INFO only before, which a default run never shows): the release, the count,
+    what was not applied. The worker it spawns activates silently."""
+    done = _python("structure,writer_failures", "--import", "--spawn")
+    assert done.returncode == 0, done.stderr[-3000:]
+    state = json.loads(done.stdout.splitlines()[-1])
+    assert state["child"] == 0  # it activated too, and said nothing (one line below)
+    assert {name.split(".")[0] for name in state["installed"]} == {"structure",
+                                                                   "writer_failures"}
     assert state["hooks"] == [] and state["loader"] == "SourceFileLoader"  # nothing left behind
+    count = sum(not why.startswith("not applied") for why in state["described"].values())
+    line = (f"megatron_ckpt_fixes: activated on megatron-core "
+            f"{importlib.metadata.version('megatron-core')} ({ENV}=structure,writer_failures): "
+            f"{count} patches")
+    (said,) = _activation_lines(done.stderr)
+    # writer_failures patches the writer megatron-core has: processes (0.16) or threads (0.19)
+    assert re.fullmatch(re.escape(line) + r"( \(not applied: writer_failures\.[\w., ]+: not "
+                        r"needed here\))?", said), said
+
+
+def _activation_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if line.startswith("megatron_ckpt_fixes: ")]
 
 
 def test_an_explicit_install_beside_the_switch_does_not_deadlock():
@@ -87,11 +124,47 @@ def test_an_explicit_install_beside_the_switch_does_not_deadlock():
     assert done.stdout.splitlines()[-1] == "['checksums', 'structure']"  # both, once each
 
 
-def test_a_bad_value_fails_at_the_megatron_core_import():
+def test_a_bad_value_fails_at_the_megatron_core_import_in_one_line():
+    """Uncaught, it is one line saying what to set (before: a 15-line import traceback)."""
     done = _python("structure,no-such-feature", "--import")
-    assert done.returncode != 0
-    assert (f"ActivationError: {ENV}='structure,no-such-feature' names unknown feature(s) "
-            "['no-such-feature']") in done.stderr
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
+    assert done.stderr.splitlines()[-1].startswith(
+        f"megatron_ckpt_fixes: error: {ENV}='structure,no-such-feature' names unknown "
+        "feature(s) ['no-such-feature']; use 1 (the default features) or a comma-separated list")
+    assert done.stderr.endswith("or unset it\n")
+
+
+def test_a_bad_value_is_still_an_activation_error_to_catch_and_traced_when_verbose():
+    code = ("try:\n    import megatron.core\nexcept ValueError as e:\n"
+            "    print(type(e).__name__)\n    raise\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          env={**os.environ, ENV: "nope", VERBOSE_ENV: "1"}, timeout=120,
+                          cwd="/")
+    assert done.stdout == "ActivationError\n" and done.returncode == 1, done.stderr
+    assert "Traceback" in done.stderr
+    assert "ActivationError: MEGATRON_CKPT_FIXES='nope'" in done.stderr
+
+
+@pytest.mark.parametrize("env, reports", [
+    ({}, True), ({"RANK": "0"}, True), ({"RANK": "1"}, False), ({"LOCAL_RANK": "3"}, False),
+    ({"RANK": "0", "LOCAL_RANK": "3"}, True),
+], ids=["no-rank", "rank-0", "rank-1", "local-rank-3", "rank-0-local-3"])
+def test_only_rank_0_reports(monkeypatch, env, reports):
+    for name in ("RANK", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    assert _reports_here() is reports
+
+
+def test_processes_that_multiprocessing_starts_do_not_report(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", True, raising=False)
+    assert not _reports_here()  # importing the parent's main script for a child (forkserver)
+    monkeypatch.setattr(multiprocessing.current_process(), "_inheriting", False)
+    monkeypatch.setattr(multiprocessing, "parent_process", lambda: object())
+    assert not _reports_here()  # a spawned or forkserver child
 
 
 @pytest.mark.parametrize("value, features", [
@@ -139,3 +212,17 @@ def test_run_runs_a_script_as_main_with_its_arguments_and_directory(tmp_path, mo
     argv, path0, switch = json.loads(done.stdout)
     assert argv == [str(script), "--flag", "x"] and path0 == str(tmp_path)
     assert switch == "structure"  # processes the script starts get the same fixes
+
+
+@pytest.mark.parametrize("command, says", [
+    (["--", "missing.py"], "no script 'missing.py' (from /); give the path of the script"),
+    (["--", "-m", "no_such_package.job"], "no module 'no_such_package.job' on sys.path"),
+    ([], "no script to run: run -- SCRIPT ARGS... or run -- -m MODULE ARGS..."),
+], ids=["missing-script", "missing-module", "nothing"])
+def test_run_without_something_to_run_is_one_line(command, says):
+    """Before: runpy's 11-line traceback for a missing script."""
+    done = subprocess.run([sys.executable, "-m", "megatron_ckpt_fixes.run", *command],
+                          capture_output=True, text=True, timeout=120, cwd="/")
+    assert done.returncode == 2 and done.stdout == ""
+    assert done.stderr.startswith("megatron-ckpt-fixes run: error: ") and says in done.stderr
+    assert len(done.stderr.splitlines()) == 1, done.stderr
