@@ -10,21 +10,11 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 from collections.abc import Sequence
 from pathlib import Path
-from typing import NoReturn
 
+from ..messages import OneLineParser
 from . import layout
-
-
-class _Parser(argparse.ArgumentParser):
-    """argparse, but a bad flag is one line on rank 0 (the other ranks exit quietly)."""
-
-    def error(self, message: str) -> NoReturn:
-        if os.environ.get("RANK", "0") == "0":
-            print(f"{self.prog}: error: {message} (see --help)", file=sys.stderr, flush=True)
-        sys.exit(2)
 
 
 def _positive(text: str) -> int:
@@ -46,9 +36,9 @@ _non_negative.__name__ = "non-negative integer"
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(prog="train.py",
-                description="Megatron-style training of a tiny GPTModel on synthetic tokens "
-                            "(torchrun; gloo on CPU, NCCL on GPUs)")
+    p = OneLineParser(prog="train.py",
+                      description="Megatron-style training of a tiny GPTModel on synthetic "
+                                  "tokens (torchrun; gloo on CPU, NCCL on GPUs)")
     model = p.add_argument_group("model and data")
     model.add_argument("--num-layers", type=_positive, default=2)
     model.add_argument("--hidden-size", type=_positive, default=32)
@@ -89,6 +79,11 @@ def build_parser() -> argparse.ArgumentParser:
                       help="load model weights only (fresh optimizer state)")
     ckpt.add_argument("--no-load-rng", action="store_true",
                       help="keep this run's seeded RNG streams instead of the checkpoint's")
+    ckpt.add_argument("--exit-on-missing-checkpoint", action="store_true",
+                      help="a --load without a checkpoint (no "
+                           f"{layout.TRACKER_FILENAME}: a mistyped path, say) stops the job "
+                           "(exit 2) instead of training from scratch; Megatron-LM's flag, "
+                           "which there exits 0")
     ckpt.add_argument("--ckpt-verify-checksums", action="store_true",
                       help="before loading, check every item against the checksums recorded "
                            "when it was saved (megatron_ckpt_fixes' checksums feature); a "
@@ -113,7 +108,8 @@ def build_parser() -> argparse.ArgumentParser:
     own.add_argument("--log-file", type=Path, default=None,
                      help="rank 0 appends one JSON line per completed step (loss as float.hex)")
     own.add_argument("--verbose", action="store_true",
-                     help="print the traceback of an error, not only its one-line cause")
+                     help="print the traceback of an error, not only its one-line cause, and "
+                          "megatron-core's warnings (also MEGATRON_CKPT_FIXES_VERBOSE=1)")
     own.add_argument("--upstream-only", action="store_true", help=argparse.SUPPRESS)
     own.add_argument("--no-install", action="store_true",
                      help="never call megatron_ckpt_fixes.install(): the fixes come from "
@@ -137,16 +133,26 @@ def layout_problem(args: argparse.Namespace, world_size: int) -> str | None:
     return None
 
 
-def load_problem(load: Path | None) -> str | None:
+def missing_checkpoint(load: Path) -> str:
+    """The error of ``--exit-on-missing-checkpoint`` when ``load`` has no checkpoint."""
+    return (f"{layout.no_checkpoint(load)} and --exit-on-missing-checkpoint is set: check the "
+            "path, or drop the flag to start from scratch")
+
+
+def load_problem(load: Path | None, required: bool = False) -> str | None:
     """Why ``--load`` cannot be what the user meant, or None: it takes the save directory
     (the one ``--save`` wrote, holding the tracker), not one checkpoint inside it. Megatron-LM
-    starts from scratch there (no tracker); a user who named the checkpoint wanted it."""
-    if load is None or not load.is_dir():
-        return None
-    if (load / ".metadata").exists() or load.name.startswith("iter_"):
+    starts from scratch there (no tracker); a user who named the checkpoint wanted it.
+    ``required`` (``--exit-on-missing-checkpoint``): a directory without a tracker is one too,
+    found here, before megatron-core is imported and the model built."""
+    if load is None:
+        return "--exit-on-missing-checkpoint needs --load" if required else None
+    if load.is_dir() and ((load / ".metadata").exists() or load.name.startswith("iter_")):
         return (f"--load {load} is one checkpoint; --load takes the save directory that holds "
                 f"it: --load {load.parent} resumes from the iteration its "
                 f"{layout.TRACKER_FILENAME} names")
+    if required and not layout.tracker_path(load).is_file():
+        return missing_checkpoint(load)
     return None
 
 
@@ -157,7 +163,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.async_save and args.save is None:
         parser.error("--async-save needs --save")
-    problem = load_problem(args.load)
+    problem = load_problem(args.load, args.exit_on_missing_checkpoint)
     if problem:
         parser.error(problem)
     problem = layout_problem(args, int(os.environ.get("WORLD_SIZE", "1")))

@@ -42,7 +42,8 @@ from ..agreement import check, describe_error, rank_and_size, run
 from ..checksums import verify_checkpoint
 from ..writer_failures.outcome import WriteFailedError
 from . import layout, rng
-from .errors import CheckpointReadError, CheckpointSaveError
+from .args import missing_checkpoint
+from .errors import CheckpointReadError, CheckpointSaveError, ConfigError
 from .freeze import EmbeddingFreeze
 from .strategies import (
     CheckpointingContext,
@@ -76,6 +77,7 @@ class CheckpointOptions:
     load_optim: bool = True
     load_rng: bool = True
     verify_checksums: bool = False
+    require_checkpoint: bool = False  # --exit-on-missing-checkpoint
 
 
 def _sharded_parts(model: Any, optimizer: MegatronOptimizer, *, optim: bool, rng_state: bool,
@@ -204,17 +206,18 @@ class Checkpointer:
 
     def load(self, model: Any, optimizer: MegatronOptimizer,
              machine: RerunStateMachine) -> TrainState | None:
-        """Load the checkpoint the tracker names; None when there is none yet."""
+        """Load the checkpoint the tracker names; None when there is none yet (one warning;
+        a :class:`~.errors.ConfigError` with ``require_checkpoint``)."""
         root = self.options.load
         assert root is not None, "load() needs --load"
         what = f"reading the checkpoint to resume from in {root}"
         found = run(functools.partial(_locate, root), what, raise_as=CheckpointReadError)
-        if found is None:
+        if found is None:  # the same on every rank: read from the same tracker
+            if self.options.require_checkpoint:
+                raise ConfigError(missing_checkpoint(root))
             if dist.get_rank() == 0:
-                if root.exists():
-                    logger.info("no checkpoint in %s: starting from scratch", root)
-                else:
-                    logger.warning("--load %s does not exist: starting from scratch", root)
+                logger.warning("%s: starting from scratch (--exit-on-missing-checkpoint "
+                               "stops instead)", layout.no_checkpoint(root))
             return None
         ckpt, common = found
         if self.options.verify_checksums:

@@ -39,6 +39,13 @@ def tracker_path(root: Path) -> Path:
     return Path(root) / TRACKER_FILENAME
 
 
+def no_checkpoint(root: Path) -> str:
+    """What a job says of a ``--load`` without a tracker: the same words whether the path
+    does not exist, is empty, or was just created by the job's own ``--save`` (the runner's
+    lock does that), so a mistyped resume path reads the same as a missing one."""
+    return f"--load {root} holds no checkpoint (no {TRACKER_FILENAME})"
+
+
 def read_tracker(root: Path) -> int | None:
     """The iteration the tracker names, or None when there is no checkpoint yet."""
     path = tracker_path(root)

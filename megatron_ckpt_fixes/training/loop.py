@@ -14,8 +14,9 @@ ends with exit code 1 and one line per cause: an error every rank raised identic
 by the package) is printed once for the job, by rank 0; any other error by each rank that
 raised it; a line that would be longer than a screen lists the first keys and a count
 (:mod:`megatron_ckpt_fixes.messages`). The traceback is printed only with ``--verbose`` (or
-logging at DEBUG). Bad
-flags end earlier, in :mod:`.args` (exit code 2).
+``MEGATRON_CKPT_FIXES_VERBOSE=1``, or logging at DEBUG). Bad flags end earlier, in
+:mod:`.args` (exit code 2). A CPU job that lacks ``training.cpu_support`` (zero-code
+activation without it) is told so before megatron-core's first CUDA call.
 """
 
 from __future__ import annotations
@@ -44,6 +45,7 @@ from ..errors import MegatronCkptFixesError, UnsupportedVersionError
 from ..load_errors import CheckpointLoadError
 from ..messages import shorten
 from ..structure.integrity import ShardingValidationError
+from ..verbosity import verbose_requested
 from . import rerun, rng
 from .args import parse_args
 from .checkpointing import Checkpointer, CheckpointOptions, TrainState
@@ -93,12 +95,22 @@ def checkpoint_options(args: Any) -> CheckpointOptions:
     return CheckpointOptions(
         save=args.save, load=args.load, load_optim=not args.no_load_optim,
         load_rng=not args.no_load_rng, verify_checksums=args.ckpt_verify_checksums,
+        require_checkpoint=args.exit_on_missing_checkpoint,
         strategy=StrategyOptions(
             ckpt_format=args.ckpt_format,
             assume_constant_structure=args.ckpt_assume_constant_structure,
             fully_parallel_save=args.ckpt_fully_parallel_save,
             fully_parallel_load=args.ckpt_fully_parallel_load,
             async_save=args.async_save, async_strategy=args.async_strategy))
+
+
+#: What a CPU job without ``training.cpu_support`` is told (megatron-core's training code
+#: would stop at its first CUDA call with ``Torch not compiled with CUDA enabled``).
+CPU_SUPPORT_NEEDED = (
+    "this job runs on CPU (gloo) and training.cpu_support is not installed: megatron-core's "
+    "model and optimizer code call CUDA; with --no-install, add it to the activation "
+    "(MEGATRON_CKPT_FIXES=default,training.cpu_support or megatron-ckpt-fixes run --features "
+    "default,training.cpu_support), or drop --no-install")
 
 
 def setup(args: Any) -> Job:
@@ -110,6 +122,8 @@ def setup(args: Any) -> Job:
                               "clip_grad_by_total_norm_fp32 asserts CUDA tensors")
         if not args.no_install:
             megatron_ckpt_fixes.install(["training.cpu_support"])
+        if "training.cpu_support" not in megatron_ckpt_fixes.installed_features():
+            raise ConfigError(CPU_SUPPORT_NEEDED)
     if args.ckpt_fully_parallel_save_deprecated and dist.get_rank() == 0:
         print("--ckpt-fully-parallel-save flag is deprecated and has no effect. Use "
               "--no-ckpt-fully-parallel-save to disable parallel save.", flush=True)
@@ -265,12 +279,13 @@ def main(args: Any = None) -> int:
     A job that cannot go on returns 1 after printing why (:func:`report_error`).
     """
     args = parse_args() if args is None else args
-    configure_logging(args.verbose)
+    verbose = verbose_requested(args.verbose)
+    configure_logging(verbose)
     init_distributed()
     try:
         return run_job(setup(args))
     except (Exception, MegatronCkptFixesError, CheckpointException) as exc:
-        report_error(exc, args.verbose)
+        report_error(exc, verbose)
         return 1
     finally:
         dist.destroy_process_group()

@@ -32,6 +32,8 @@ def _assert_one_clear_error(job, *expected: str, code: int = 1) -> str:
     lines = _error_lines(job.output)
     assert len(lines) == 1, job.output[-6000:]
     assert "Traceback" not in job.output and "Connection closed" not in job.output
+    # megatron-core's import-time warnings (12 to 34 lines per job before) are hidden
+    assert "warnings.warn(" not in job.output, job.output[:3000]
     text = job.output[job.output.index(lines[0]):]
     for part in expected:
         assert part in text, text[:3000]
@@ -47,6 +49,19 @@ def _assert_one_clear_error(job, *expected: str, code: int = 1) -> str:
 def test_bad_flags(tmp_path, flags, expected):
     job = run_job(tmp_path, [*COMMON[:2], *flags])
     _assert_one_clear_error(job, expected, code=2)
+
+
+def test_a_required_checkpoint_that_is_not_there_stops_the_job(tmp_path):
+    """``--exit-on-missing-checkpoint`` (Megatron-LM's flag; it exits 0 there): with the
+    README's "the same line resumes" (``--save X --load X``) and a mistyped X, the job stops
+    before megatron-core is imported instead of training from scratch."""
+    ckpt = tmp_path / "typo-ckpt"
+    job = run_job(tmp_path, [*COMMON[:2], "--train-iters", "4", "--save", str(ckpt), "--load",
+                             str(ckpt), "--exit-on-missing-checkpoint"])
+    _assert_one_clear_error(job, f"--load {ckpt} holds no checkpoint (no "
+                                 "latest_checkpointed_iteration.txt) and "
+                                 "--exit-on-missing-checkpoint is set: check the path", code=2)
+    assert not layout.tracker_path(ckpt).exists()
 
 
 @pytest.fixture
@@ -88,12 +103,32 @@ def test_load_given_one_checkpoint_names_the_save_directory(saved, tmp_path):
 
 
 def test_a_load_path_that_does_not_exist_is_one_warning(tmp_path):
+    """Also when it is the ``--save`` directory (the README's resume line): the runner's lock
+    creates that directory, and the job said only INFO "no checkpoint in" before."""
     missing = tmp_path / "no-such-ckpt"
-    job = run_job(tmp_path, [*JOB, "--train-iters", "1", "--load", str(missing)])
+    job = run_job(tmp_path, [*JOB, "--train-iters", "1", "--save", str(missing), "--load",
+                             str(missing)])
     assert job.exit_codes == [0], job.output[-6000:]
-    warned = [line for line in job.output.splitlines() if str(missing) in line]
+    warned = [line for line in job.output.splitlines() if f"--load {missing}" in line]
     assert warned == [f"[rank0] WARNING megatron_ckpt_fixes.training.checkpointing: --load "
-                      f"{missing} does not exist: starting from scratch"], job.output[-6000:]
+                      f"{missing} holds no checkpoint (no latest_checkpointed_iteration.txt): "
+                      "starting from scratch (--exit-on-missing-checkpoint stops instead)"], \
+        job.output[-6000:]
+
+
+def test_zero_code_activation_on_cpu_without_cpu_support_says_what_to_add(tmp_path):
+    """``MEGATRON_CKPT_FIXES=1`` with ``--no-install`` on CPU ended with ``AssertionError: Torch
+    not compiled with CUDA enabled``; rank 0 also says what the activation installed."""
+    job = run_job(tmp_path, [*COMMON[:2], "--train-iters", "1", "--no-install"], nproc=1,
+                  env={"MEGATRON_CKPT_FIXES": "1"})
+    text = _assert_one_clear_error(job, "this job runs on CPU (gloo) and training.cpu_support "
+                                        "is not installed", "MEGATRON_CKPT_FIXES=default,"
+                                        "training.cpu_support")
+    assert text.splitlines()[1:] == [line for line in job.output.splitlines()
+                                     if line.startswith("[run_with_restarts] attempt 1: exit")]
+    activated = [line for line in job.output.splitlines() if "activated on megatron-core" in line]
+    assert len(activated) == 1 and activated[0].startswith(
+        "megatron_ckpt_fixes: activated on megatron-core "), job.output[-3000:]
 
 
 def test_a_flipped_byte_stops_the_plain_resume(saved, tmp_path):
