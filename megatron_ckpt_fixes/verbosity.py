@@ -5,8 +5,10 @@ Apex are absent, and building its configs prints deprecations: 12 to 34 lines pe
 a job's own one-line error, which then lands at the bottom of a screen of other text. The
 project's tools (``scripts/train.py`` and so the ranks of ``run_with_restarts.py`` and of the
 demo, ``megatron-ckpt-fixes status``) call :func:`quiet_unless` once, before they import
-megatron-core. It filters the warnings that upstream's own modules issue (:data:`UPSTREAM`),
-nothing else: the package's errors, log lines and warnings, and every other module's, stay.
+megatron-core. It filters the warnings that upstream's own modules issue (:data:`UPSTREAM`)
+and the one deprecation torch repeats on every rank of every resume because megatron-core's
+load path reaches it (:data:`UPSTREAM_DEPRECATIONS`), nothing else: the package's errors, log
+lines and warnings, and every other warning, stay.
 ``--verbose``, or :data:`VERBOSE_ENV` set for processes a flag cannot reach (a launcher's
 ranks), keeps them, and the tools' tracebacks.
 
@@ -17,6 +19,7 @@ the filter is the tools' own choice, never the activation's.
 from __future__ import annotations
 
 import os
+import re
 import warnings
 
 from .activation import switched_on
@@ -27,6 +30,11 @@ VERBOSE_ENV = "MEGATRON_CKPT_FIXES_VERBOSE"
 #: The modules whose warnings are hidden: megatron-core (Megatron-FSDP also as its own package),
 #: Transformer Engine and Apex. Matched against the module a warning is issued from.
 UPSTREAM = r"(megatron\.core|megatron_fsdp|transformer_engine|apex)(\.|$)"
+#: Deprecations of torch that megatron-core's code triggers (issued from torch's modules, so
+#: :data:`UPSTREAM` does not match them); users of the tools cannot act on them.
+UPSTREAM_DEPRECATIONS = (
+    "Please use DTensor instead and we are deprecating ShardedTensor",  # torch DCP, each load
+)
 
 
 def verbose_requested(flag: bool = False) -> bool:
@@ -38,6 +46,8 @@ def verbose_requested(flag: bool = False) -> bool:
 def hide_upstream_warnings() -> None:
     """Ignore the Python warnings issued by upstream's modules from now on in this process."""
     warnings.filterwarnings("ignore", module=UPSTREAM)
+    for message in UPSTREAM_DEPRECATIONS:
+        warnings.filterwarnings("ignore", message=re.escape(message), category=FutureWarning)
 
 
 def quiet_unless(flag: bool = False) -> bool:

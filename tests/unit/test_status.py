@@ -38,11 +38,11 @@ INSTALLED = {
 }
 
 
-def _shown(module: str) -> list[str]:
+def _shown(module: str, message: str = "note", category: type = UserWarning) -> list[str]:
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         hide_upstream_warnings()
-        warnings.warn_explicit("note", UserWarning, "x.py", 1, module=module)
+        warnings.warn_explicit(message, category, "x.py", 1, module=module)
     return [str(w.message) for w in seen]
 
 
@@ -54,6 +54,13 @@ def _shown(module: str) -> list[str]:
 ])
 def test_only_upstreams_warnings_are_hidden(module, hidden):
     assert _shown(module) == ([] if hidden else ["note"])
+
+
+def test_torchs_sharded_tensor_deprecation_that_every_resume_repeats_is_hidden():
+    deprecated = "Please use DTensor instead and we are deprecating ShardedTensor."
+    module = "torch.distributed.checkpoint.planner_helpers"
+    assert _shown(module, deprecated, FutureWarning) == []
+    assert _shown(module, "another deprecation", FutureWarning) == ["another deprecation"]
 
 
 @pytest.mark.parametrize("flag, env, verbose", [
