@@ -17,7 +17,8 @@ found through the same variable: :func:`snapshot_tree` and :func:`import_root`.
   ``~/.cache/megatron-ckpt-fixes/snapshots``).
 
 A missing folder or tarball raises :class:`SnapshotMissing` with what was looked for and how
-to provide it: a test that needs a snapshot fails with that message, it never skips.
+to provide it. A test module that needs a snapshot folder skips without it, naming it, and
+fails where every optional system must be present (CI: tests/optional_systems.py).
 
 :func:`training_tree` is the same snapshot without ``megatron/core``: Megatron-LM's scripts
 run with their own directory first on ``sys.path``, so in the full tree ``import

@@ -1,4 +1,5 @@
-"""Shared fixtures: an in-process world-size-1 gloo group for single-process tests."""
+"""Shared fixtures (an in-process world-size-1 gloo group for single-process tests) and the
+selection of tests by what is new on a CI leg (:data:`NEW_ENV`, the ``varies_with`` marker)."""
 
 from __future__ import annotations
 
@@ -56,3 +57,49 @@ def beside(tmp_path_factory):
             [str(made[spec]), *filter(None, [os.environ.get("PYTHONPATH")])])}
 
     return env
+
+
+#: What a CI leg runs that no earlier leg ran: a comma-separated list of :data:`COMPONENTS`
+#: (``.ci/run`` sets it per leg). Unset: everything is new, every test runs.
+NEW_ENV = "MCF_CI_NEW"
+#: What can change a test's outcome: the megatron-core release, torch, Python, and the
+#: optional systems (tests/optional_systems.py).
+COMPONENTS = frozenset({"megatron-core", "torch", "python", "torchrec", "tzrec",
+                        "nemo_automodel", "mlite", "nvrx"})
+
+
+def pytest_configure(config):
+    config.addinivalue_line(
+        "markers", "varies_with(*components): the only components whose version can change "
+        f"this test's outcome (of {sorted(COMPONENTS)}); a test runs on every CI leg where one "
+        "of them is new. Without the marker a test varies with everything and runs on every "
+        "leg; with no component it runs once, on the first leg.")
+
+
+def _varies_with(item) -> frozenset[str]:
+    marker = item.get_closest_marker("varies_with")
+    if marker is None:
+        return COMPONENTS
+    unknown = set(marker.args) - COMPONENTS
+    if unknown:
+        raise pytest.UsageError(f"{item.nodeid}: varies_with names {sorted(unknown)}; "
+                                f"known: {sorted(COMPONENTS)}")
+    return frozenset(marker.args)
+
+
+def pytest_collection_modifyitems(config, items):
+    """On a leg that names what is new, deselect each test that varies with none of it (an
+    earlier leg ran it on the same versions of everything it depends on)."""
+    value = os.environ.get(NEW_ENV, "").strip()
+    if not value:
+        return
+    new = frozenset(filter(None, (v.strip() for v in value.split(","))))
+    if new - COMPONENTS:
+        raise pytest.UsageError(f"{NEW_ENV}={value!r} names {sorted(new - COMPONENTS)}; "
+                                f"known: {sorted(COMPONENTS)}")
+    keep, proven = [], []
+    for item in items:
+        (keep if _varies_with(item) & new else proven).append(item)
+    if proven:
+        config.hook.pytest_deselected(items=proven)
+        items[:] = keep

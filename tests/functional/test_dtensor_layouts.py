@@ -17,6 +17,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from megatron_ckpt_fixes import dtensor as mdt
 from megatron_ckpt_fixes.testing import run_ranks
 
+pytestmark = pytest.mark.varies_with("torch", "python")
+
 FULL_SHAPES = {
     "layers.0.mlp.experts.w1": (6, 5, 4),   # 6 experts: 3/3 over ep=2, 2/2/2/0 over ep=4
     "layers.0.mlp.experts.w2": (8, 3, 2),   # FSDP2 shards dim 0 again: _StridedShard merge

@@ -17,11 +17,16 @@ import sys
 from pathlib import Path
 
 import pytest
+from optional_systems import require
+
+require("mlite")
 
 from megatron_ckpt_fixes.testing import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import upstream_snapshots  # noqa: E402
+
+pytestmark = pytest.mark.varies_with("torch", "python", "mlite")
 
 FEATURE = "dtensor.mlite"
 

@@ -16,8 +16,13 @@ loaded shard is compared with its true value on every rank (max delta 0.0). The 
 from __future__ import annotations
 
 import pytest
+from optional_systems import require
+
+require("nemo_automodel")
 
 from megatron_ckpt_fixes.testing import run_ranks
+
+pytestmark = pytest.mark.varies_with("torch", "python", "nemo_automodel")
 
 FEATURE = "dtensor.nemo_automodel"
 NAMES = {f"{FEATURE}.{n}" for n in (

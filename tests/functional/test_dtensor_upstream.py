@@ -22,6 +22,8 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from megatron_ckpt_fixes import dtensor as mdt
 from megatron_ckpt_fixes.testing import run_ranks
 
+pytestmark = pytest.mark.varies_with("torch", "python")
+
 KEY = "layers.3.mlp.experts.fc1.weight0"
 
 

@@ -19,6 +19,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from optional_systems import require
+
+require("megatron-lm")
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import inspect
 import os
-import sys
 from pathlib import Path
 
 import pytest
+from optional_systems import NVRX, require
 from snapshot_scenarios import nvrx_worker
 
 from megatron_ckpt_fixes.testing import run_ranks
 
-REPO = Path(__file__).resolve().parents[2]
-NVRX = REPO / ".venv-nvrx-cpu" / f"py{sys.version_info[0]}.{sys.version_info[1]}"
 ENV = Path(__file__).resolve().parent / "nvrx_env"
 
 
@@ -39,9 +37,7 @@ pytestmark = [
 
 
 def _run(tmp_path, monkeypatch, mode: str) -> list:
-    if not NVRX.is_dir():  # where megatron-core can use it, its absence is a failure
-        pytest.fail(f"nvidia-resiliency-ext is not unpacked at {NVRX}: "
-                    "bash scripts/install_nvrx_cpu.sh")
+    require("nvrx")  # only where megatron-core can use it (pytestmark)
     path = os.pathsep.join(filter(None, [str(NVRX), str(ENV), os.environ.get("PYTHONPATH")]))
     monkeypatch.setenv("PYTHONPATH", path)
     monkeypatch.setenv("MCF_NVRX_CPU", "1")

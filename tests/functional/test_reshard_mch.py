@@ -26,6 +26,8 @@ from megatron_ckpt_fixes.testing import run_ranks
 from dcp_records import deflated, rewrite_record
 from reshard_upstream import slot_routed_tables
 
+pytestmark = pytest.mark.varies_with("torch", "python")
+
 H = 10_000  # input id space
 D = 4  # embedding dim
 NAME = "mc.t0"

@@ -7,6 +7,8 @@ reparented to init and kept training and saving into --save, and a second runner
 
 from __future__ import annotations
 
+import pytest
+
 import json
 import os
 import signal
@@ -16,6 +18,8 @@ import time
 from pathlib import Path
 
 import psutil
+
+pytestmark = pytest.mark.varies_with("torch", "python")
 
 REPO = Path(__file__).resolve().parents[2]
 RUNNER = REPO / "scripts" / "run_with_restarts.py"

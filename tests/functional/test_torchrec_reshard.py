@@ -19,6 +19,9 @@ from __future__ import annotations
 import logging
 
 import pytest
+from optional_systems import require
+
+require("torchrec")
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
@@ -28,6 +31,8 @@ import torchrec_model as tm
 from megatron_ckpt_fixes.reshard import ReshardError
 from megatron_ckpt_fixes.reshard.torchrec_dmp import TorchRecRouting, load
 from megatron_ckpt_fixes.testing import run_ranks
+
+pytestmark = pytest.mark.varies_with("torch", "python", "torchrec")
 
 STEPS = 5
 logger = logging.getLogger(__name__)

@@ -35,6 +35,9 @@ import os
 import re
 
 import pytest
+from optional_systems import require
+
+require("tzrec")
 import torch
 import torch.distributed as dist
 import torchrec_model as tm
@@ -46,6 +49,8 @@ import megatron_ckpt_fixes
 from megatron_ckpt_fixes.activation import ENV
 from megatron_ckpt_fixes.reshard import ReshardError
 from megatron_ckpt_fixes.testing import run_ranks
+
+pytestmark = pytest.mark.varies_with("torch", "python", "torchrec", "tzrec")
 
 logger = logging.getLogger(__name__)
 

@@ -28,6 +28,8 @@ from megatron_ckpt_fixes.checksums import read_record
 from megatron_ckpt_fixes.cli import main as cli_main
 from megatron_ckpt_fixes.training import layout
 
+pytestmark = pytest.mark.varies_with("torch", "python")
+
 REPO = Path(__file__).resolve().parents[2]
 TRAIN = REPO / "scripts" / "train.py"
 RUNNER = REPO / "scripts" / "run_with_restarts.py"

@@ -7,7 +7,8 @@ graphlearn and common_io come from tzrec's own server), and its ``tzrec/__init__
 modules. :func:`activate` makes the snapshot importable:
 
 - the snapshot is ``upstream_snapshots.snapshot_tree("torcheasyrec", "head")`` (a missing
-  snapshot raises ``SnapshotMissing``: the tests fail, they never skip);
+  snapshot raises ``SnapshotMissing``; the test modules skip without it, naming it, and fail
+  in CI: tests/optional_systems.py);
 - the protobuf modules are generated with ``grpc_tools.protoc`` (tzrec's own pin,
   ``grpcio-tools<1.63.0``: ``scripts/install_tzrec_test_deps.sh``) into a folder beside the
   extracted snapshot, never into it; once per snapshot and grpcio-tools release;

@@ -13,6 +13,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.varies_with()
+
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "demo_fault_resume.py"
 
 

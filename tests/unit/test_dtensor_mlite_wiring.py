@@ -13,6 +13,9 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from optional_systems import require
+
+require("mlite")
 import torch
 from torch.distributed.tensor import Replicate, Shard
 
@@ -26,6 +29,8 @@ from megatron_ckpt_fixes.dtensor.wrap import paired_axis_names
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import upstream_snapshots  # noqa: E402
+
+pytestmark = pytest.mark.varies_with("torch", "python", "mlite")
 
 FEATURE = "dtensor.mlite"
 NAMES = {f"{FEATURE}.dcp_tensor_from_param", f"{FEATURE}.empty_dcp_tensor_like_param",

@@ -7,6 +7,9 @@ to bind the shared helpers by name, and the all-or-nothing refusal when a symbol
 from __future__ import annotations
 
 import pytest
+from optional_systems import require
+
+require("nemo_automodel")
 import torch
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -15,6 +18,8 @@ from megatron_ckpt_fixes import SYSTEMS, UnsupportedVersionError
 from megatron_ckpt_fixes.dtensor import nemo_automodel as nemo
 from megatron_ckpt_fixes.dtensor.errors import PlacementError
 from megatron_ckpt_fixes.dtensor.placements import shape_from_reference
+
+pytestmark = pytest.mark.varies_with("torch", "python", "nemo_automodel")
 
 FEATURE = "dtensor.nemo_automodel"
 PROBES = (nemo.upstream_slices_by_chunks, nemo.upstream_splits_exactly,

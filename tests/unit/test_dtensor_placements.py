@@ -15,6 +15,8 @@ from megatron_ckpt_fixes.dtensor.placements import (check_local_shapes,
                                                     check_strided_divisible,
                                                     normalize_placements)
 
+pytestmark = pytest.mark.varies_with("torch", "python")
+
 
 def _chunk(t: torch.Tensor, n: int, i: int, dim: int = 0) -> torch.Tensor:
     """DTensor's chunk rule: ceil(size / n) per shard, trailing shards short or empty."""

@@ -12,6 +12,8 @@ from torch.distributed.tensor.placement_types import Replicate, Shard
 from megatron_ckpt_fixes import dtensor as mdt
 from megatron_ckpt_fixes.dtensor.verdict import KeyReport, RankReport, verdict
 
+pytestmark = pytest.mark.varies_with("torch", "python")
+
 MESH = SimpleNamespace(mesh_dim_names=("dp", "ep"), ndim=2)  # all a rule reads of a mesh
 
 TABLE = mdt.PlacementTable((

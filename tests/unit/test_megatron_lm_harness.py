@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 import pytest
+from optional_systems import require
+
+require("megatron-lm")
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "scripts"))
@@ -19,6 +22,8 @@ import after_script  # noqa: E402
 import mlm_rank  # noqa: E402
 import upstream_snapshots  # noqa: E402
 from cases import Case, load_case  # noqa: E402
+
+pytestmark = pytest.mark.varies_with()
 
 PERSISTENT_1 = Case("gpt3_mcore_reruns_persistent_1", "regular", {
     "--bf16": True, "--train-iters": 50, "--eval-iters": 0, "--distributed-backend": "nccl",
@@ -146,6 +151,7 @@ def test_the_launcher_gets_no_platform(monkeypatch):
     ("torcheasyrec", "head", "tzrec/utils/checkpoint_util.py"),
 ])
 def test_the_systems_snapshots_are_found_beside_megatron_lms(name, ref, witness):
+    require({"megatron-lite": "mlite", "torcheasyrec": "tzrec"}[name])
     assert (upstream_snapshots.import_root(name, ref) / witness).is_file()
 
 

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import pytest
+
 from megatron_ckpt_fixes.messages import LIMIT, shorten, shorten_line
+
+pytestmark = pytest.mark.varies_with()
 
 KEYS = [f"decoder.layers.{i}.mlp.linear_fc1.weight" for i in range(200)]
 

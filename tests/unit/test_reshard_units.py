@@ -15,6 +15,8 @@ from megatron_ckpt_fixes.reshard.window import ReshardSpec, _saved_rank_problems
 from megatron_ckpt_fixes.reshard.routing import route
 from reshard_upstream import slot_routed_tables
 
+pytestmark = pytest.mark.varies_with("torch", "python")
+
 
 def table(start: int, ids: list[int], slots: list[int], size: int) -> TableShard:
     """A valid-by-construction shard: given real ids/slots, padding takes the free slots."""

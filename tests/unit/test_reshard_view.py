@@ -4,10 +4,14 @@ rows (``optimizer/``) together. Real DCP save and load, one process."""
 
 from __future__ import annotations
 
+import pytest
+
 import torch
 import torch.distributed.checkpoint as dcp
 
 from megatron_ckpt_fixes.reshard.view import Part, read_metadata, view_metadata, write_view
+
+pytestmark = pytest.mark.varies_with("torch", "python")
 
 
 def _save(path, state) -> None:

@@ -29,6 +29,8 @@ from megatron_ckpt_fixes.reshard import CheckpointRows, NotPlainRecord, read_row
 from megatron_ckpt_fixes.reshard.records import locate
 from dcp_records import big_endian, deflated, rewrite_record, storage, write_metadata
 
+pytestmark = pytest.mark.varies_with("torch", "python")
+
 BOUNDS = (0, 7, 20, 33)  # three chunks of uneven sizes
 
 

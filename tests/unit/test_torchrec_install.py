@@ -17,8 +17,13 @@ from importlib.metadata import version
 from pathlib import Path
 
 import pytest
+from optional_systems import require
+
+require("torchrec")
 
 from megatron_ckpt_fixes.compat.torchrec import compat_table, minor
+
+pytestmark = pytest.mark.varies_with("torch", "python", "torchrec")
 
 SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "torchrec_pair.py"
 

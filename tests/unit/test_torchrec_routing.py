@@ -9,12 +9,17 @@ dependency-free rule the generic resharder uses), ids beyond the input space inc
 from __future__ import annotations
 
 import pytest
+from optional_systems import require
+
+require("torchrec")
 import torch
 from torchrec import KeyedJaggedTensor
 from torchrec.distributed.embedding_sharding import bucketize_kjt_before_all2all
 
 from megatron_ckpt_fixes.reshard import BlockOwnership
 from megatron_ckpt_fixes.reshard.torchrec_dmp import TorchRecRouting
+
+pytestmark = pytest.mark.varies_with("torch", "python", "torchrec")
 
 
 @pytest.mark.parametrize("hash_size,world", [(10_000, 1), (10_000, 2), (10_000, 3), (10_000, 4),

@@ -14,12 +14,17 @@ import importlib
 import sys
 
 import pytest
+from optional_systems import require
+
+require("tzrec")
 import torch
 import tzrec_harness
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
 from megatron_ckpt_fixes.errors import UnsupportedVersionError
 from megatron_ckpt_fixes.reshard import tzrec as feature
+
+pytestmark = pytest.mark.varies_with("torch", "python", "torchrec", "tzrec")
 
 FEATURE = "reshard.tzrec"
 PATCHED = {"restore_model", "_needs_mch_redistribution"}

@@ -6,6 +6,8 @@ import pytest
 
 from megatron_ckpt_fixes.training import layout
 
+pytestmark = pytest.mark.varies_with()
+
 
 def _stage(root, iteration, payload):
     staging = layout.staging_dir(root, iteration)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.varies_with("torch", "python")
+
 RELEASES = ("0.16.1", "0.17.1", "0.18.2", "0.19.2")
 SENTINEL = {"rerun.sentinel.state_dict"}
 STATS_REPORT = {"rerun.stats_report.filename", "rerun.stats_report.lineno"}
