@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from .activation import ENV
+from .activation import ENV, switched_on
 
 logger = logging.getLogger(__name__)
 
@@ -78,10 +78,21 @@ def init_test_group(rank: int, world_size: int, init_method: str,
 
 
 #: What the ranks' fork server imports once, so that each rank starts with it imported: torch
-#: and its distributed checkpointing are about 2 s of CPU per process, most of a short test's
-#: time on a 2-core machine. Nothing else is preloaded: megatron-core and this package are
-#: imported by each rank itself (tests switch releases, snapshots and activation per run).
+#: and its distributed checkpointing are about 2 s of CPU per process, megatron-core's
+#: checkpointing and the modules the tests' ranks use about 2.5 s more: most of a short test's
+#: time on a 2-core machine. A module that does not import (no megatron-core here) is left out.
 PRELOAD = ("torch", "torch.distributed.checkpoint", "torch.distributed.tensor", "numpy")
+#: megatron-core's part of :data:`PRELOAD`, imported only where the server starts without the
+#: activation switch: importing megatron-core fires the switch's hook (``install()``), and a
+#: rank of a test that sets the switch is spawned anyway (a start-up variable changed). Each
+#: rank imports this package itself and installs what its test asks for; the release is
+#: that of the caller's environment (another one on ``PYTHONPATH`` also means a spawn).
+PRELOAD_MEGATRON = ("megatron.core", "megatron.core.dist_checkpointing",
+                    "megatron.core.dist_checkpointing.strategies.torch",
+                    "megatron.core.dist_checkpointing.strategies.filesystem_async",
+                    "megatron.core.dist_checkpointing.strategies.fully_parallel",
+                    "megatron.core.rerun_state_machine", "megatron.core.tensor_parallel",
+                    "megatron.core.transformer", "megatron.core.optimizer")
 
 
 def _startup_environment() -> dict[str, str]:
@@ -104,7 +115,8 @@ def _context() -> Any:
     if _startup_environment() != _SERVER_STARTUP:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))
+    armed = switched_on(os.environ.get(ENV))
+    ctx.set_forkserver_preload(list(PRELOAD) + ([] if armed else list(PRELOAD_MEGATRON)))
     return ctx
 
 
