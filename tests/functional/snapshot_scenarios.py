@@ -3,8 +3,9 @@
 Every rank holds ``COUNT`` CPU tensors, saves them through megatron-core's API
 (``dist_checkpointing.save(..., async_sharded_save=True)``, then ``AsyncCallsQueue``), and
 changes them in place with ``add_(1.0)`` the way the next optimizer step does: right after
-scheduling returns, or while the writer is writing (a slowed writer tells the trainer when
-its first item is in the file). The values at the moment scheduling returned are kept; after
+scheduling returns, or while the writer is writing (a gated writer tells the trainer when its
+first item is in the file, and writes the rest only once the trainer has changed the tensors:
+an order of events, not a pause that a loaded machine could outrun). The values at the moment scheduling returned are kept; after
 ``maybe_finalize_async_calls(blocking=True)`` every loaded value is compared with them
 bitwise, and the recorded checksums are checked (where the checksums feature is on).
 
@@ -26,35 +27,36 @@ import torch
 import torch.distributed as dist
 
 #: Tensors per rank and float32 elements per tensor (the issue's recipe has 16 MB tensors;
-#: 1 MB keeps the CI leg short, and the slowed writer makes "during the write" certain).
+#: 1 MB keeps the CI leg short, and the gated writer makes "during the write" certain).
 COUNT = 8
 ELEMENTS = 1 << 18
-#: Seconds the slowed writer waits before each item (the trainer's change lands in between).
-ITEM_DELAY_S = 0.15
-MARKER_TIMEOUT_S = 60.0
+#: A bound on waiting for a marker (a hang becomes an error; no verdict depends on it).
+MARKER_TIMEOUT_S = 120.0
 
 
-class SlowWriter:
-    """``async_fn`` that writes with a pause before each item and creates ``marker`` once the
-    first item is in the file. Picklable by name: it also runs in the persistent worker."""
+class GatedWriter:
+    """``async_fn`` whose writer writes its first item, creates ``<gate>.first-item``, and
+    writes every later item only once ``<gate>.go`` exists (the trainer has changed its
+    tensors). Picklable by name: it also runs in the persistent worker."""
 
-    def __init__(self, async_fn: Callable[..., Any], marker: str) -> None:
-        self.async_fn, self.marker = async_fn, marker
+    def __init__(self, async_fn: Callable[..., Any], gate: str) -> None:
+        self.async_fn, self.gate = async_fn, gate
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-        original, marker = filesystem_async._write_item, self.marker
+        original, first = filesystem_async._write_item, f"{self.gate}.first-item"
 
         @functools.wraps(original)  # the writer reads its signature
-        def slow_write_item(*a: Any, **k: Any) -> Any:
-            time.sleep(ITEM_DELAY_S)
+        def gated_write_item(*a: Any, **k: Any) -> Any:
+            if os.path.exists(first):
+                _wait_for(f"{self.gate}.go")
             result = original(*a, **k)
-            if not os.path.exists(marker):
-                open(marker, "w").close()
+            if not os.path.exists(first):
+                open(first, "w").close()
             return result
 
-        filesystem_async._write_item = slow_write_item
+        filesystem_async._write_item = gated_write_item
         try:
             return self.async_fn(*args, **kwargs)
         finally:
@@ -163,24 +165,27 @@ def _wait_for(marker: str) -> None:
     deadline = time.monotonic() + MARKER_TIMEOUT_S
     while not os.path.exists(marker):
         if time.monotonic() > deadline:
-            raise TimeoutError(f"the writer never wrote its first item ({marker})")
+            raise TimeoutError(f"{marker} never appeared")
         time.sleep(0.01)
 
 
 def _save_and_change(queue: Any, rank: int, ws: int, path: str, tensors: list[torch.Tensor],
                      when: str, strategy: str = "mcore") -> list[torch.Tensor]:
     """Schedule a save of ``tensors``, then change them ``when`` ("scheduled": at once;
-    "writing": once the writer has written its first item); the values scheduling saw."""
+    "writing": once the writer has written its first item, and before it writes the others,
+    which it does once the change is made); the values scheduling saw."""
     request = _request(tensors, rank, ws, path, strategy)
-    marker = f"{path}.rank{rank}.first-item"
+    gate = f"{path}.rank{rank}"
     if when == "writing":
-        request = request._replace(async_fn=SlowWriter(request.async_fn, marker))
+        request = request._replace(async_fn=GatedWriter(request.async_fn, gate))
     queue.schedule_async_request(request)
     expected = [t.clone() for t in tensors]
     if when == "writing":
-        _wait_for(marker)
+        _wait_for(f"{gate}.first-item")
     for t in tensors:
         t.add_(1.0)
+    if when == "writing":
+        open(f"{gate}.go", "w").close()
     return expected
 
 
@@ -216,8 +221,11 @@ def snapshot_worker(rank: int, ws: int, root: str, mode: str) -> dict[str, Any]:
     run("persistent-scheduled", persistent, "scheduled", shared=False)
     run("persistent-writing", persistent, "writing", shared=False)
 
-    # Two saves in flight: the second is scheduled (and the tensors changed again) while the
-    # first is still being written. Each checkpoint must hold its own moment's values.
+    # Two saves in flight: the second is scheduled (and the tensors changed again) before the
+    # first is finalized. Each checkpoint must hold its own moment's values. The persistent
+    # worker makes scheduling wait until it has preloaded the request (``preload_q.join()``),
+    # i.e. until the first is written, upstream and fixed alike: the first writer's gate opens
+    # after its change, before the second is scheduled.
     first, second = os.path.join(root, "in-flight-1"), os.path.join(root, "in-flight-2")
     tensors = _values(rank, len(out))
     expected_first = _save_and_change(persistent, rank, ws, first, tensors, "writing")
