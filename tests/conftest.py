@@ -3,6 +3,7 @@ selection of tests by what is new on a CI leg (:data:`NEW_ENV`, the ``varies_wit
 
 from __future__ import annotations
 
+import ast
 import datetime
 import os
 import subprocess
@@ -76,30 +77,70 @@ def pytest_configure(config):
         "leg; with no component it runs once, on the first leg.")
 
 
-def _varies_with(item) -> frozenset[str]:
-    marker = item.get_closest_marker("varies_with")
-    if marker is None:
-        return COMPONENTS
-    unknown = set(marker.args) - COMPONENTS
+def _checked(components: tuple, where: str) -> frozenset[str]:
+    unknown = set(components) - COMPONENTS
     if unknown:
-        raise pytest.UsageError(f"{item.nodeid}: varies_with names {sorted(unknown)}; "
+        raise pytest.UsageError(f"{where}: varies_with names {sorted(unknown)}; "
                                 f"known: {sorted(COMPONENTS)}")
-    return frozenset(marker.args)
+    return frozenset(components)
+
+
+def _new_here() -> frozenset[str] | None:
+    """What :data:`NEW_ENV` names as new on this leg; None where it is unset (all is new)."""
+    value = os.environ.get(NEW_ENV, "").strip()
+    if not value:
+        return None
+    return _checked(tuple(filter(None, (v.strip() for v in value.split(",")))), NEW_ENV)
+
+
+def _module_varies_with(path: Path) -> frozenset[str] | None:
+    """A module's own ``pytestmark = pytest.mark.varies_with(...)``, read from its source
+    without importing it (a module whose tests are all proven elsewhere is not even imported:
+    its optional system need not be installed on this leg); None where it has none."""
+    for node in ast.parse(path.read_text()).body:
+        if (isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "pytestmark"
+                                                 for t in node.targets)
+                and isinstance(node.value, ast.Call)
+                and ast.unparse(node.value.func) == "pytest.mark.varies_with"):
+            return _checked(tuple(ast.literal_eval(a) for a in node.value.args), str(path))
+    return None
+
+
+def pytest_ignore_collect(collection_path: Path, config):
+    """On a leg that names what is new, a test module whose own marker names none of it is
+    not collected (an earlier leg ran it with the same versions of all it depends on)."""
+    new = _new_here()
+    if new is None or collection_path.suffix != ".py" or \
+            not collection_path.name.startswith("test_"):
+        return None
+    varies = _module_varies_with(collection_path)
+    if varies is not None and not varies & new:
+        config.stash.setdefault(_PROVEN, []).append(collection_path.name)
+        return True
+    return None
+
+
+_PROVEN = pytest.StashKey[list]()
 
 
 def pytest_collection_modifyitems(config, items):
-    """On a leg that names what is new, deselect each test that varies with none of it (an
-    earlier leg ran it on the same versions of everything it depends on)."""
-    value = os.environ.get(NEW_ENV, "").strip()
-    if not value:
+    """On a leg that names what is new, deselect each test that varies with none of it."""
+    new = _new_here()
+    if new is None:
         return
-    new = frozenset(filter(None, (v.strip() for v in value.split(","))))
-    if new - COMPONENTS:
-        raise pytest.UsageError(f"{NEW_ENV}={value!r} names {sorted(new - COMPONENTS)}; "
-                                f"known: {sorted(COMPONENTS)}")
     keep, proven = [], []
     for item in items:
-        (keep if _varies_with(item) & new else proven).append(item)
+        marker = item.get_closest_marker("varies_with")
+        varies = COMPONENTS if marker is None else _checked(marker.args, item.nodeid)
+        (keep if varies & new else proven).append(item)
     if proven:
         config.hook.pytest_deselected(items=proven)
         items[:] = keep
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    modules = config.stash.get(_PROVEN, [])
+    if modules:
+        terminalreporter.write_line(
+            f"{NEW_ENV}={os.environ[NEW_ENV]}: {len(modules)} test modules vary with none of "
+            f"it and were not collected (run on an earlier leg): {' '.join(sorted(modules))}")

@@ -98,7 +98,8 @@ def require(*names: str) -> None:
         hint = system.install or SNAPSHOT_HINT
         if system.install and system.snapshots and any("snapshot" in g for g in gone):
             hint = f"{hint}; {SNAPSHOT_HINT}"
-        message = f"needs {name}: missing {', '.join(gone)}; install with: {hint}"
+        caller = Path(sys._getframe(1).f_code.co_filename).name  # the line names the module
+        message = f"{caller} needs {name}: missing {', '.join(gone)}; install with: {hint}"
         if required_everywhere():
             pytest.fail(f"{message} ({REQUIRE_ENV} is set: optional systems must be here)",
                         pytrace=False)
