@@ -66,7 +66,9 @@ NEW_ENV = "MCF_CI_NEW"
 #: What can change a test's outcome: the megatron-core release, torch, Python, and the
 #: optional systems (tests/optional_systems.py).
 COMPONENTS = frozenset({"megatron-core", "torch", "python", "torchrec", "tzrec",
-                        "nemo_automodel", "mlite", "nvrx"})
+                        "nemo_automodel", "mlite"})
+#: The test modules a leg did not collect (:func:`pytest_ignore_collect`), for the summary.
+_PROVEN = pytest.StashKey[list]()
 
 
 def pytest_configure(config):
@@ -119,8 +121,6 @@ def pytest_ignore_collect(collection_path: Path, config):
         return True
     return None
 
-
-_PROVEN = pytest.StashKey[list]()
 
 
 def pytest_collection_modifyitems(config, items):
