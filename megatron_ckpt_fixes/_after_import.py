@@ -26,11 +26,13 @@ Callback = Callable[[], None]
 
 
 class _RunAfter(importlib.abc.Loader):
-    """Runs the real loader, puts it back on the module, then runs the callbacks."""
+    """Runs the real loader, puts it back on the module, then runs the module's callbacks
+    (taken from the finder only now: a spec that is never executed takes nothing)."""
 
-    def __init__(self, loader: Any, callbacks: list[Callback]) -> None:
+    def __init__(self, loader: Any, finder: AfterImportFinder, fullname: str) -> None:
         self.loader = loader
-        self.callbacks = callbacks
+        self.finder = finder
+        self.fullname = fullname
 
     def create_module(self, spec: Any) -> ModuleType | None:
         return self.loader.create_module(spec)
@@ -40,7 +42,7 @@ class _RunAfter(importlib.abc.Loader):
         module.__loader__ = self.loader
         if module.__spec__ is not None:
             module.__spec__.loader = self.loader
-        for callback in self.callbacks:
+        for callback in self.finder.take(self.fullname):
             callback()
 
     def __getattr__(self, name: str) -> Any:
@@ -49,27 +51,34 @@ class _RunAfter(importlib.abc.Loader):
 
 class AfterImportFinder(importlib.abc.MetaPathFinder):
     """Finds nothing itself: it wraps the loader that the other finders return for a module
-    with pending callbacks (each module's callbacks run once)."""
+    with pending callbacks (each module's callbacks run once, when the module is executed: a
+    probe such as ``importlib.util.find_spec``, which many libraries use to ask whether a
+    package is installed, imports nothing and leaves them waiting)."""
 
     def __init__(self) -> None:
         self.pending: dict[str, list[Callback]] = {}
 
     def find_spec(self, fullname: str, path: Sequence[str] | None = None,
                   target: ModuleType | None = None) -> Any:
-        callbacks = self.pending.pop(fullname, None)
-        if callbacks is None:
+        if fullname not in self.pending:
             return None
-        if not self.pending:
-            _leave()
         for finder in list(sys.meta_path):
             if finder is self or not hasattr(finder, "find_spec"):
                 continue
             spec = finder.find_spec(fullname, path, target)
             if spec is not None:
                 if spec.loader is not None:
-                    spec.loader = _RunAfter(spec.loader, callbacks)
+                    spec.loader = _RunAfter(spec.loader, self, fullname)
                 return spec
         return None
+
+    def take(self, fullname: str) -> list[Callback]:
+        """The callbacks of ``fullname``, no longer pending (the finder leaves
+        ``sys.meta_path`` once nothing is)."""
+        callbacks = self.pending.pop(fullname, [])
+        if not self.pending:
+            _leave()
+        return callbacks
 
 
 def _finder() -> AfterImportFinder | None:

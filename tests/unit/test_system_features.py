@@ -15,6 +15,7 @@ the real systems have their own tests through the real code).
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import subprocess
 import sys
@@ -75,6 +76,18 @@ def test_installed_not_imported_waits_and_applies_at_the_first_import(system):
     assert _after_import.pending() == {}
     megatron_ckpt_fixes.uninstall()
     assert importlib.import_module(f"{package}.api").answer() == 1
+
+
+def test_a_probe_before_the_import_leaves_the_fix_waiting(system):
+    """``importlib.util.find_spec`` (how libraries ask whether a package is installed, e.g.
+    transformers' availability checks) imports nothing: the fix must still come with the
+    import that follows. Before, the probe took the callbacks and the import got none."""
+    package, feature = system
+    megatron_ckpt_fixes.install([feature])
+    assert importlib.util.find_spec(package) is not None
+    assert package not in sys.modules and _after_import.pending() == {package: 1}
+    assert _answer_as_imported(package) == 2
+    assert _after_import.pending() == {}
 
 
 def test_already_imported_is_applied_at_once(system):
