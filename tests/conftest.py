@@ -67,6 +67,9 @@ NEW_ENV = "MCF_CI_NEW"
 #: optional systems (tests/optional_systems.py).
 COMPONENTS = frozenset({"megatron-core", "torch", "python", "torchrec", "tzrec",
                         "nemo_automodel", "mlite"})
+#: The optional systems a CI leg does not install (``.ci/run``): the tests that vary with one
+#: of them are left to the legs that have it, and the run's summary names them.
+WITHOUT_ENV = "MCF_CI_WITHOUT"
 #: The test modules a leg did not collect (:func:`pytest_ignore_collect`), for the summary.
 _PROVEN = pytest.StashKey[list]()
 
@@ -87,12 +90,25 @@ def _checked(components: tuple, where: str) -> frozenset[str]:
     return frozenset(components)
 
 
-def _new_here() -> frozenset[str] | None:
-    """What :data:`NEW_ENV` names as new on this leg; None where it is unset (all is new)."""
-    value = os.environ.get(NEW_ENV, "").strip()
+def _listed(variable: str) -> frozenset[str] | None:
+    """The components a variable lists; None where it is unset."""
+    value = os.environ.get(variable, "").strip()
     if not value:
         return None
-    return _checked(tuple(filter(None, (v.strip() for v in value.split(",")))), NEW_ENV)
+    return _checked(tuple(filter(None, (v.strip() for v in value.split(",")))), variable)
+
+
+def _new_here() -> frozenset[str] | None:
+    """What :data:`NEW_ENV` names as new on this leg; None where it is unset (all is new)."""
+    return _listed(NEW_ENV)
+
+
+def _runs_here(declared: frozenset[str] | None, new: frozenset[str]) -> bool:
+    """Whether a test that declared ``declared`` (None: no marker, it varies with everything)
+    runs on this leg: something it varies with is new, and it names no system the leg lacks."""
+    if declared is None:
+        return True
+    return bool(declared & new) and not declared & (_listed(WITHOUT_ENV) or frozenset())
 
 
 def _module_varies_with(path: Path) -> frozenset[str] | None:
@@ -109,14 +125,14 @@ def _module_varies_with(path: Path) -> frozenset[str] | None:
 
 
 def pytest_ignore_collect(collection_path: Path, config):
-    """On a leg that names what is new, a test module whose own marker names none of it is
-    not collected (an earlier leg ran it with the same versions of all it depends on)."""
+    """On a leg that names what is new, a test module whose own marker names none of it, or
+    names a system the leg does not install, is not collected (an earlier leg ran it)."""
     new = _new_here()
     if new is None or collection_path.suffix != ".py" or \
             not collection_path.name.startswith("test_"):
         return None
     varies = _module_varies_with(collection_path)
-    if varies is not None and not varies & new:
+    if varies is not None and not _runs_here(varies, new):
         config.stash.setdefault(_PROVEN, []).append(collection_path.name)
         return True
     return None
@@ -131,8 +147,8 @@ def pytest_collection_modifyitems(config, items):
     keep, proven = [], []
     for item in items:
         marker = item.get_closest_marker("varies_with")
-        varies = COMPONENTS if marker is None else _checked(marker.args, item.nodeid)
-        (keep if varies & new else proven).append(item)
+        declared = None if marker is None else _checked(marker.args, item.nodeid)
+        (keep if _runs_here(declared, new) else proven).append(item)
     if proven:
         config.hook.pytest_deselected(items=proven)
         items[:] = keep
@@ -142,5 +158,7 @@ def pytest_terminal_summary(terminalreporter, config):
     modules = config.stash.get(_PROVEN, [])
     if modules:
         terminalreporter.write_line(
-            f"{NEW_ENV}={os.environ[NEW_ENV]}: {len(modules)} test modules vary with none of "
-            f"it and were not collected (run on an earlier leg): {' '.join(sorted(modules))}")
+            f"{NEW_ENV}={os.environ[NEW_ENV]} {WITHOUT_ENV}={os.environ.get(WITHOUT_ENV, '')}: "
+            f"{len(modules)} test modules vary with nothing new here, or with a system this "
+            f"leg does not install, and were not collected (they run on leg 1): "
+            f"{' '.join(sorted(modules))}")

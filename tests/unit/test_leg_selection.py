@@ -30,13 +30,13 @@ MODULES = {
 }
 
 
-def _collected(tmp_path: Path, new: str | None) -> set[str]:
+def _collected(tmp_path: Path, new: str | None, without: str = "") -> set[str]:
     for name, text in MODULES.items():
         (tmp_path / name).write_text(text)
     shutil.copy(CONFTEST, tmp_path / "conftest.py")
-    env = {k: v for k, v in os.environ.items() if k != "MCF_CI_NEW"}
+    env = {k: v for k, v in os.environ.items() if k not in ("MCF_CI_NEW", "MCF_CI_WITHOUT")}
     if new is not None:
-        env["MCF_CI_NEW"] = new
+        env.update(MCF_CI_NEW=new, MCF_CI_WITHOUT=without)
     done = subprocess.run([sys.executable, "-m", "pytest", "-q", "--collect-only", "-p",
                            "no:cacheprovider", str(tmp_path)], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=120)
@@ -49,6 +49,9 @@ def test_each_leg_runs_what_can_differ_there(tmp_path):
     assert _collected(tmp_path, "megatron-core") == {"test_everywhere", "test_always"}
     assert _collected(tmp_path, "torch,python") == {"test_everywhere", "test_with_torch",
                                                     "test_always"}
+    # a leg without a system leaves its tests (new torch or not) to the leg that has it
+    assert _collected(tmp_path, "torch,torchrec", without="torchrec") == {
+        "test_everywhere", "test_with_torch", "test_always"}
 
 
 def test_without_the_switch_everything_runs(tmp_path):
