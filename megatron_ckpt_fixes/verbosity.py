@@ -7,8 +7,9 @@ project's tools (``scripts/train.py`` and so the ranks of ``run_with_restarts.py
 demo, ``megatron-ckpt-fixes status``) call :func:`quiet_unless` once, before they import
 megatron-core. It filters the warnings that upstream's own modules issue (:data:`UPSTREAM`)
 and the one deprecation torch repeats on every rank of every resume because megatron-core's
-load path reaches it (:data:`UPSTREAM_DEPRECATIONS`), nothing else: the package's errors, log
-lines and warnings, and every other warning, stay.
+load path reaches it (:data:`UPSTREAM_DEPRECATIONS`) and the log line a CUDA build of torch
+writes on a machine without a GPU (:data:`UPSTREAM_LOG_NOISE`), nothing else: the package's
+errors, log lines and warnings, and every other warning, stay.
 ``--verbose``, or :data:`VERBOSE_ENV` set for processes a flag cannot reach (a launcher's
 ranks), keeps them, and the tools' tracebacks.
 
@@ -18,6 +19,7 @@ the filter is the tools' own choice, never the activation's.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import warnings
@@ -35,6 +37,21 @@ UPSTREAM = r"(megatron\.core|megatron_fsdp|transformer_engine|apex)(\.|$)"
 UPSTREAM_DEPRECATIONS = (
     "Please use DTensor instead and we are deprecating ShardedTensor",  # torch DCP, each load
 )
+#: Log records (logger name, message start) that a CUDA build of torch writes when
+#: megatron-core imports ``torch.utils.cpp_extension`` on a machine without a GPU but with a
+#: CUDA toolkit: a warning on every rank that a CPU user cannot act on.
+UPSTREAM_LOG_NOISE = (("torch.utils.cpp_extension", "No CUDA runtime is found"),)
+
+
+class _DropMessage(logging.Filter):
+    """Drops the records of one logger whose message starts with ``start``."""
+
+    def __init__(self, start: str) -> None:
+        super().__init__()
+        self.start = start
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith(self.start)
 
 
 def verbose_requested(flag: bool = False) -> bool:
@@ -48,6 +65,10 @@ def hide_upstream_warnings() -> None:
     warnings.filterwarnings("ignore", module=UPSTREAM)
     for message in UPSTREAM_DEPRECATIONS:
         warnings.filterwarnings("ignore", message=re.escape(message), category=FutureWarning)
+    for name, start in UPSTREAM_LOG_NOISE:
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _DropMessage) and f.start == start for f in logger.filters):
+            logger.addFilter(_DropMessage(start))
 
 
 def quiet_unless(flag: bool = False) -> bool:
