@@ -6,28 +6,19 @@ its summary line, which need neither torch nor megatron-core.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 import tempfile
 from pathlib import Path
 
 import pytest
+from script_modules import script_module
 
 pytestmark = pytest.mark.varies_with()
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "demo_fault_resume.py"
 
 
 @pytest.fixture(scope="module")
 def demo():
-    spec = importlib.util.spec_from_file_location("demo_fault_resume", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    try:
-        spec.loader.exec_module(module)
+    with script_module("demo_fault_resume") as module:
         yield module
-    finally:
-        sys.modules.pop(spec.name, None)
 
 
 def test_every_run_gets_a_new_empty_folder(demo):

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import socket
@@ -12,20 +11,15 @@ from pathlib import Path
 
 import psutil
 import pytest
+from script_modules import script_module
 
 pytestmark = pytest.mark.varies_with()
-
-SCRIPT = Path(__file__).resolve().parents[2] / "scripts" / "run_with_restarts.py"
 
 
 @pytest.fixture(scope="module")
 def runner():
-    spec = importlib.util.spec_from_file_location("run_with_restarts", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look their module up while defined
-    spec.loader.exec_module(module)
-    yield module
-    del sys.modules[spec.name]
+    with script_module("run_with_restarts") as module:
+        yield module
 
 
 def _write_lock(save: Path, pid: int, host: str, started: float) -> None:
