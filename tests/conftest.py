@@ -8,6 +8,7 @@ import datetime
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -98,17 +99,25 @@ def _listed(variable: str) -> frozenset[str] | None:
     return _checked(tuple(filter(None, (v.strip() for v in value.split(",")))), variable)
 
 
-def _new_here() -> frozenset[str] | None:
-    """What :data:`NEW_ENV` names as new on this leg; None where it is unset (all is new)."""
-    return _listed(NEW_ENV)
+@dataclass(frozen=True)
+class Leg:
+    """What a CI leg names: the components new on it, the systems it does not install."""
+
+    new: frozenset[str]
+    without: frozenset[str]
+
+    def runs(self, declared: frozenset[str] | None) -> bool:
+        """Whether a test that declared ``declared`` (None: no marker, it varies with
+        everything) runs here: something it varies with is new, and it names no system the
+        leg lacks."""
+        return declared is None or bool(declared & self.new) and not declared & self.without
 
 
-def _runs_here(declared: frozenset[str] | None, new: frozenset[str]) -> bool:
-    """Whether a test that declared ``declared`` (None: no marker, it varies with everything)
-    runs on this leg: something it varies with is new, and it names no system the leg lacks."""
-    if declared is None:
-        return True
-    return bool(declared & new) and not declared & (_listed(WITHOUT_ENV) or frozenset())
+def _leg() -> Leg | None:
+    """This leg, from :data:`NEW_ENV` and :data:`WITHOUT_ENV`; None where :data:`NEW_ENV` is
+    unset (everything is new: every test runs)."""
+    new = _listed(NEW_ENV)
+    return None if new is None else Leg(new, _listed(WITHOUT_ENV) or frozenset())
 
 
 def _module_varies_with(path: Path) -> frozenset[str] | None:
@@ -127,28 +136,27 @@ def _module_varies_with(path: Path) -> frozenset[str] | None:
 def pytest_ignore_collect(collection_path: Path, config):
     """On a leg that names what is new, a test module whose own marker names none of it, or
     names a system the leg does not install, is not collected (an earlier leg ran it)."""
-    new = _new_here()
-    if new is None or collection_path.suffix != ".py" or \
+    leg = _leg()
+    if leg is None or collection_path.suffix != ".py" or \
             not collection_path.name.startswith("test_"):
         return None
     varies = _module_varies_with(collection_path)
-    if varies is not None and not _runs_here(varies, new):
+    if varies is not None and not leg.runs(varies):
         config.stash.setdefault(_PROVEN, []).append(collection_path.name)
         return True
     return None
 
 
-
 def pytest_collection_modifyitems(config, items):
     """On a leg that names what is new, deselect each test that varies with none of it."""
-    new = _new_here()
-    if new is None:
+    leg = _leg()
+    if leg is None:
         return
     keep, proven = [], []
     for item in items:
         marker = item.get_closest_marker("varies_with")
         declared = None if marker is None else _checked(marker.args, item.nodeid)
-        (keep if _runs_here(declared, new) else proven).append(item)
+        (keep if leg.runs(declared) else proven).append(item)
     if proven:
         config.hook.pytest_deselected(items=proven)
         items[:] = keep
