@@ -21,11 +21,13 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ckpt_fixes.activation import switched_on
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts"))
 import upstream_snapshots  # noqa: E402 - scripts/ is not a package
 
-#: Set (to anything but empty or 0) where every optional system must be present: CI.
+#: Switched on (``1``) where every optional system must be present: CI.
 REQUIRE_ENV = "MCF_REQUIRE_OPTIONAL"
 
 
@@ -84,7 +86,8 @@ def missing(name: str) -> list[str]:
 
 
 def required_everywhere() -> bool:
-    return os.environ.get(REQUIRE_ENV, "").strip() not in ("", "0")
+    """Whether :data:`REQUIRE_ENV` is switched on (the package's own reading of a switch)."""
+    return switched_on(os.environ.get(REQUIRE_ENV))
 
 
 def require(*names: str) -> None:
