@@ -30,7 +30,10 @@ scoped instead: ``get_crc32_options`` (which torch asks when it opens a record) 
 only to the thread that is inside this writer's ``_write_item`` for an item whose checksum it
 will record; every other thread, and every ``torch.save`` outside the writer, keeps the
 user's setting. That holds wherever the writer runs: the trainer's thread (a synchronous
-save), a forked writer process or its threads, the persistent worker.
+save), a forked writer process or its threads, the persistent worker. For tooling that checks
+zip CRCs, :data:`KEEP_CRC32_ENV` set (``1``) when ``install()`` runs leaves torch's CRC-32 in
+every record (the patch is not applied, ``installed()`` says why) at the cost of that CPU time
+(``python benchmarks/bench_torch_crc32.py``).
 
 A checkpoint saved without this feature has no record and loads as before.
 """
@@ -54,6 +57,7 @@ import torch
 from torch.distributed.checkpoint.storage import WriteResult
 
 from .._patching import Patch
+from ..activation import switched_on
 from .algorithms import DEFAULT
 from .hashing import ItemTap, current_batch, hash_pieces, open_batch, owned_memory
 from .record import ChecksumRecord, remove_record, write_record
@@ -65,6 +69,8 @@ _WRITER = f"{_FILESYSTEM_ASYNC}:FileSystemWriterAsync"
 
 #: Items up to this many bytes are serialized into memory and hashed in one call.
 BUFFER_LIMIT = 64 << 10
+#: ``1`` (or ``on``, ``yes``) when ``install()`` runs: the data files keep torch's zip CRC-32.
+KEEP_CRC32_ENV = "MEGATRON_CKPT_FIXES_KEEP_CRC32"
 
 
 #: Instance attribute of upstream's ``WriteResult`` that carries the item's checksum, as
@@ -130,6 +136,13 @@ def crc32_unless_checksummed(original: Callable[[], bool]) -> Callable[[], bool]
         return False if getattr(_record, "checksummed", False) else original()
 
     return get_crc32_options
+
+
+def crc32_kept() -> str | None:
+    """Why torch's CRC-32 stays in the writer's records (the user asked), or None."""
+    if switched_on(os.environ.get(KEEP_CRC32_ENV)):
+        return f"{KEEP_CRC32_ENV} is set: the data files keep torch's zip CRC-32"
+    return None
 
 
 def checksummed_write_item(original: Callable[..., WriteResult]) -> Callable[..., WriteResult]:
@@ -342,6 +355,7 @@ PATCHES: tuple[Patch, ...] = (
         attr="get_crc32_options",
         build=crc32_unless_checksummed,
         probes=(_crc32_problems,),
+        not_needed=crc32_kept,
         why="the records the writer checksums skip torch's unchecked CRC-32 (this thread "
             "only; every other torch.save keeps the user's setting)",
     ),

@@ -7,7 +7,8 @@ calls it): its record has no CRC-32 (zip tools see bad CRCs), loads bitwise with
 ``torch.load``, and carries the item's checksum; a ``torch.save`` in another thread *while*
 that record is being written keeps its CRC-32, and so does one in the same thread outside the
 writer; the user's own setting is kept; a record that goes through a stream transform keeps
-torch's CRC-32 (the checksum could not vouch for those bytes).
+torch's CRC-32 (the checksum could not vouch for those bytes). ``MEGATRON_CKPT_FIXES_KEEP_CRC32=1``
+at install keeps torch's CRC-32 in the writer's records too, still checksummed.
 """
 
 from __future__ import annotations
@@ -138,3 +139,23 @@ def test_uninstall_restores_torchs_own_function():
     assert torch.serialization.get_crc32_options is not original
     megatron_ckpt_fixes.uninstall()
     assert torch.serialization.get_crc32_options is original
+
+
+@pytest.mark.parametrize("value, kept", [("1", True), ("0", False)])
+def test_the_switch_keeps_torchs_crc32_in_the_writers_records(monkeypatch, value, kept):
+    """For tooling that checks zip CRCs: opt-in, read when install() runs; the item's
+    checksum is recorded either way, and installed() says why the CRC-32 stays."""
+    import megatron_ckpt_fixes
+    from megatron_ckpt_fixes.checksums.writer import KEEP_CRC32_ENV
+
+    monkeypatch.setenv(KEEP_CRC32_ENV, value)
+    megatron_ckpt_fixes.install(["compat.cpu", "checksums"])
+    try:
+        stream = io.BytesIO()
+        result = _writer_record(stream)
+        assert _crc_ok(stream.getvalue()) is kept
+        assert result.checksum[0] == "xxh3_64"
+        why = megatron_ckpt_fixes.installed()["checksums.torch_crc32"]
+        assert (KEEP_CRC32_ENV in why and why.startswith("not applied")) is kept, why
+    finally:
+        megatron_ckpt_fixes.uninstall()
