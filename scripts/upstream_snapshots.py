@@ -3,16 +3,17 @@
 CI and the development machines cannot reach GitHub. Megatron-LM's training package
 (``pretrain_gpt.py``, ``megatron/training``), its functional test cases and megatron-core's
 own unit tests come from ``git archive`` tarballs in a snapshots folder (``shared/upstream/
-megatron-lm`` beside the checkout, with a ``SHA256SUMS`` file). This module finds that
-folder, picks the snapshot that matches the installed megatron-core, and extracts it once
-into a cache directory (checked against ``SHA256SUMS`` first).
+megatron-lm`` beside the checkout, with a ``SHA256SUMS`` file; where it is missing,
+``scripts/fetch_upstream_snapshots.py`` fetches the same commits from GitHub). This module
+finds that folder, picks the snapshot that matches the installed megatron-core, and extracts
+it once into a cache directory (checked against ``SHA256SUMS`` first).
 
 The systems that are not packaged (MLite, TorchEasyRec: :data:`SETS`) have their snapshot
 folders beside that one (``shared/upstream/megatron-lite``, ``shared/upstream/torcheasyrec``),
 found through the same variable: :func:`snapshot_tree` and :func:`import_root`.
 
 - ``MCF_UPSTREAM_SNAPSHOTS``: the snapshots folder (default: ``../shared/upstream/megatron-lm``
-  next to the repository, where CI puts it).
+  next to the repository, where CI puts it, else the fetched one, :func:`fetched_dir`).
 - ``MCF_SNAPSHOT_CACHE``: where snapshots are extracted (default:
   ``~/.cache/megatron-ckpt-fixes/snapshots``).
 
@@ -83,15 +84,31 @@ class SnapshotMissing(RuntimeError):
     """A Megatron-LM snapshot that a test or script needs is not there."""
 
 
+def cache_root() -> Path:
+    """The project's cache folder: extracted snapshots, fetched ones (both re-creatable)."""
+    return Path.home() / ".cache" / "megatron-ckpt-fixes"
+
+
+def fetched_dir() -> Path:
+    """Where ``scripts/fetch_upstream_snapshots.py`` puts the Megatron-LM snapshots when
+    neither :data:`SNAPSHOTS_ENV` nor ``shared/upstream`` names a folder (the other
+    systems' folders beside it)."""
+    return cache_root() / "upstream" / "megatron-lm"
+
+
 def snapshots_dir() -> Path:
-    """The folder holding the tarballs and ``SHA256SUMS``."""
-    folder = Path(os.environ.get(SNAPSHOTS_ENV) or DEFAULT_SNAPSHOTS)
-    if not (folder / "SHA256SUMS").is_file():
-        raise SnapshotMissing(
-            f"no Megatron-LM snapshots at {folder} (no SHA256SUMS there): set {SNAPSHOTS_ENV} "
-            "to the folder holding megatron-lm-*.tar.gz and SHA256SUMS (shared/upstream/"
-            "megatron-lm beside the checkout in CI)")
-    return folder
+    """The folder holding the tarballs and ``SHA256SUMS``: :data:`SNAPSHOTS_ENV`'s, else
+    the shared one beside the checkout, else the fetched one."""
+    configured = os.environ.get(SNAPSHOTS_ENV)
+    looked = [Path(configured)] if configured else [DEFAULT_SNAPSHOTS, fetched_dir()]
+    for folder in looked:
+        if (folder / "SHA256SUMS").is_file():
+            return folder
+    raise SnapshotMissing(
+        f"no Megatron-LM snapshots at {' or '.join(map(str, looked))} (no SHA256SUMS there): "
+        "python scripts/fetch_upstream_snapshots.py fetches them (bash scripts/"
+        f"install_test_deps.sh runs it), or set {SNAPSHOTS_ENV} to the folder holding "
+        "megatron-lm-*.tar.gz and SHA256SUMS (shared/upstream/megatron-lm in CI)")
 
 
 def ref_for_installed() -> str:
@@ -188,8 +205,7 @@ def _extract(folder: Path, name: str, ref: str, suffix: str, training_only: bool
     if not tarball.is_file():
         raise SnapshotMissing(f"{tarball} is missing (snapshot {ref})")
     expected = _expected_sha256(folder, tarball.name)
-    cache = Path(os.environ.get(CACHE_ENV)
-                 or Path.home() / ".cache" / "megatron-ckpt-fixes" / "snapshots")
+    cache = Path(os.environ.get(CACHE_ENV) or cache_root() / "snapshots")
     tree = cache / f"{ref}-{expected[:12]}{suffix}"
     done = tree / ".extracted"
     if done.is_file():
