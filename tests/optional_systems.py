@@ -42,7 +42,8 @@ class System:
     install: str = ""
 
 
-SNAPSHOT_HINT = ("the upstream snapshots: ../shared/upstream beside the checkout, or "
+SNAPSHOT_HINT = ("python scripts/fetch_upstream_snapshots.py (the pinned upstream commits, from "
+                 "GitHub), or ../shared/upstream beside the checkout, or "
                  f"{upstream_snapshots.SNAPSHOTS_ENV}=FOLDER (docs/development.md)")
 
 SYSTEMS: dict[str, System] = {
