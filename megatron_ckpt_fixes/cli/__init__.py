@@ -1,8 +1,8 @@
 """Inspect and verify torch_dist checkpoints; run unchanged scripts with the fixes installed.
 
-    megatron-ckpt-fixes inspect CKPT_DIR     # what is in a torch_dist checkpoint
+    megatron-ckpt-fixes inspect CKPT_DIR     # what is in a checkpoint (exit 1: a file is short)
     megatron-ckpt-fixes verify CKPT_DIR      # will it load what was saved? (exit 1 if not)
-    megatron-ckpt-fixes verify --dcp DIR     # the same for a plain torch DCP checkpoint
+    megatron-ckpt-fixes verify --dcp DIR     # check it as plain torch DCP, whatever it holds
     megatron-ckpt-fixes run [--features F,...] -- SCRIPT ARGS...   # the fixes, no code change
     megatron-ckpt-fixes status [--all]       # what install() applies here, readably
     python -m megatron_ckpt_fixes            # the same
@@ -10,8 +10,13 @@
 CKPT_DIR may be a checkpoint (``ckpt/iter_0000008``) or the save directory that training's
 ``--save`` names (``ckpt``): then the checkpoint its ``latest_checkpointed_iteration.txt``
 names is used, and the first line says so. ``verify`` checks everything a load needs from the
-files alone (see :mod:`.checks`); a directory it cannot check at all gets one line on stderr
-and exit code 1. torch is imported only by the command that needs it (``--help`` does not).
+files alone (see :mod:`.checks`), showing its progress on stderr (:mod:`.progress`), and
+prints a damaged data file as one line with the count of items it breaks (:mod:`.summary`);
+a plain torch DCP checkpoint (no ``metadata.json``, no common state) is recognised as one.
+A directory it cannot check at all gets one line on stderr and exit code 1. ``inspect``
+reads no data, but a data file shorter than its entries need makes it end with a one-line
+hint on stderr and exit code 1. torch is imported only by the command that needs it
+(``--help`` does not).
 """
 
 from __future__ import annotations
@@ -22,15 +27,23 @@ from collections.abc import Sequence
 from typing import Any
 
 from .locate import Located, Unverifiable, locate
+from .summary import SHOWN
 
 __all__ = ["main", "verify"]
 
 
-def verify(checkpoint_dir: str, megatron: bool = True) -> Any:
+def verify(checkpoint_dir: str, megatron: bool | None = None, progress: bool = False) -> Any:
     """:func:`.checks.verify` (imported on use: it needs torch)."""
     from .checks import verify as check_all
 
-    return check_all(checkpoint_dir, megatron=megatron)
+    return check_all(checkpoint_dir, megatron=megatron, progress=progress)
+
+
+def _count(text: str) -> int:
+    """A number of lines to show: 0 or more."""
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"{text!r} is not a count (0, 1, 2, ...)")
+    return int(text)
 
 
 def _size(n: int) -> str:
@@ -41,16 +54,17 @@ def _size(n: int) -> str:
     raise AssertionError("not reached")
 
 
-def _inspect(found: Located) -> None:
+def _inspect(found: Located) -> int:
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from .checks import read_metadata
+    from .checks import data_files, is_megatron, read_metadata
 
     metadata = read_metadata(found.checkpoint_dir)
     entries = sorted(metadata.state_dict_metadata.items())
     tensors = [md for _, md in entries if isinstance(md, TensorStorageMetadata)]
-    files = {info.relative_path: info for info in (metadata.storage_data or {}).values()}
-    print(f"{found.checkpoint_dir}: torch_dist checkpoint, {len(entries)} keys")
+    files = data_files(metadata, found.checkpoint_dir)
+    kind = "torch_dist" if is_megatron(found.checkpoint_dir, metadata) else "torch DCP"
+    print(f"{found.checkpoint_dir}: {kind} checkpoint, {len(entries)} keys")
     rows = [(key, "tensor", str(tuple(md.size)), str(md.properties.dtype).removeprefix("torch."),
              str(len(md.chunks)))
             if isinstance(md, TensorStorageMetadata) else (key, "object", "", "", "")
@@ -64,12 +78,25 @@ def _inspect(found: Located) -> None:
     print(f"total: {len(entries)} keys: {len(tensors)} tensors ({elements:,} elements in "
           f"{sum(len(md.chunks) for md in tensors)} chunks), {len(entries) - len(tensors)} "
           f"objects; {_size(stored)} stored in {len(files)} data file(s)")
+    short = [file for _, file in sorted(files.items()) if file.short]
+    if short:
+        print(f"megatron-ckpt-fixes inspect: {short[0].name}: {short[0].damage} ({len(short)} "
+              f"of {len(files)} data file(s) too short or missing): megatron-ckpt-fixes verify "
+              f"{found.checkpoint_dir} names the items that cannot load", file=sys.stderr)
+        return 1
+    return 0
 
 
-def _verify(found: Located, megatron: bool) -> int:
-    report = verify(found.checkpoint_dir, megatron=megatron)
-    for problem in report.problems:
-        print(f"PROBLEM {problem}")
+def _verify(found: Located, megatron: bool | None, shown: int) -> int:
+    from .summary import group, problem_lines, verdict
+
+    report = verify(found.checkpoint_dir, megatron=megatron, progress=True)
+    if megatron is None and not report.megatron:
+        print("no metadata.json and no common state: checked as a plain torch DCP checkpoint "
+              "(--dcp)")
+    grouped = group(report.problems, report.file_items)
+    for line in problem_lines(grouped, shown):
+        print(line)
     if report.checksums is not None:
         print(f"checksums: {report.checksums}")
     if report.manifest is not None:
@@ -78,9 +105,8 @@ def _verify(found: Located, megatron: bool) -> int:
     print("records checked: " + (", ".join(records) if records else
                                  "none (no checksums recorded for this save, no integrity.json):"
                                  " its bytes were not checked"))
-    kind = "megatron-core torch_dist" if megatron else "torch DCP"
-    verdict = "OK" if not report.problems else f"{len(report.problems)} problem(s)"
-    print(f"{found.checkpoint_dir}: {kind} checkpoint, {report.keys} keys, {verdict}")
+    kind = "megatron-core torch_dist" if report.megatron else "torch DCP"
+    print(f"{found.checkpoint_dir}: {kind} checkpoint, {report.keys} keys, {verdict(grouped)}")
     return 1 if report.problems else 0
 
 
@@ -101,8 +127,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     check = commands.add_parser("verify", help="check everything a load needs (exit 1 if not)")
     check.add_argument("checkpoint_dir", help=where)
     check.add_argument("--dcp", action="store_true",
-                       help="a plain torch DCP checkpoint: skip megatron-core's metadata.json "
-                            "and common state")
+                       help="check it as a plain torch DCP checkpoint: skip megatron-core's "
+                            "metadata.json and common state (a directory with neither is "
+                            "recognised as one without this flag)")
+    check.add_argument("--items", type=_count, default=SHOWN, metavar="N",
+                       help=f"list at most N broken items per damaged data file (default "
+                            f"{SHOWN}; the file's line counts them all)")
     commands.add_parser("run", help="run a script with the fixes installed: "
                                     "run [--features F,...] -- SCRIPT ARGS")
     status = commands.add_parser("status", help="what install() applies here, per feature, "
@@ -121,9 +151,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if found.note:
             print(found.note, flush=True)
         if args.command == "inspect":
-            _inspect(found)
-            return 0
-        return _verify(found, megatron=not args.dcp)
+            return _inspect(found)
+        return _verify(found, megatron=False if args.dcp else None, shown=args.items)
     except Unverifiable as exc:
         print(f"megatron-ckpt-fixes {args.command}: {exc}", file=sys.stderr)
         return 1

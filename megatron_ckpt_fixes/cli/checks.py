@@ -16,7 +16,15 @@ all; the order follows what a load touches:
 6. every file matches megatron-core's own integrity manifest (``integrity.json``, SHA-256
    per file, written by megatron-core >= 0.19 with ``verify_integrity=True``), when there is one.
 
-Checks 1-3, 5 and 6 apply to any torch DCP checkpoint; 4 only to megatron-core's.
+Checks 1-3, 5 and 6 apply to any torch DCP checkpoint; 4 only to megatron-core's, which
+a directory is when it has ``metadata.json`` or a common state (:func:`is_megatron`): a plain
+torch DCP checkpoint needs no flag, and a megatron-core one that lost ``metadata.json`` still
+gets the problem named.
+
+A problem that lies in a data file (missing, cut short, bytes that differ from the record)
+names the file and what is wrong with it, so that :mod:`.summary` can print one line per
+damaged file instead of one per item (a truncated file of a real model breaks thousands).
+Checks 5 and 6 read every byte; :mod:`.progress` shows how far they are.
 """
 
 from __future__ import annotations
@@ -24,6 +32,7 @@ from __future__ import annotations
 import math
 import os
 import warnings
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 from torch.distributed.checkpoint import FileSystemReader
@@ -37,6 +46,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from ..checksums.manifest import (
     MANIFEST,
+    THREADS,
     Manifest,
     ManifestError,
     ManifestSummary,
@@ -44,7 +54,9 @@ from ..checksums.manifest import (
 )
 from ..checksums.record import (
     SIDECAR,
+    ChecksumRecord,
     ChecksumSummary,
+    Item,
     RecordError,
     check_items,
     items_of,
@@ -54,10 +66,15 @@ from ..checksums.record import (
 from ..compat.detect import quiet
 from ..newer_checkpoint import newer_writer_reason
 from .locate import Unverifiable
+from .progress import Advance, reading
 
 
 #: Upstream causes can be pages long (torch.load's weights-only advice): one line is enough.
 MAX_CAUSE = 240
+#: Items checked against the record per call, by bytes: the progress moves at least this often.
+BATCH_BYTES = 256 << 20
+#: The key of megatron-core's common state inside ``.metadata`` (0.19 on; 0.16: ``common.pt``).
+COMMON_STATE = "common_state"
 
 
 @dataclass(frozen=True)
@@ -66,6 +83,8 @@ class Problem:
 
     where: str  # a key, or the file the problem is in
     cause: str
+    file: str | None = None  # the data file whose damage breaks this item
+    damage: str | None = None  # what is wrong with that file (the same for its items)
 
     def __str__(self) -> str:
         return f"{self.where}: {self.cause}"
@@ -74,9 +93,11 @@ class Problem:
 @dataclass
 class Report:
     keys: int
+    megatron: bool  # checked as megatron-core's (metadata.json, common state), or plain DCP
     problems: list[Problem] = field(default_factory=list)
     checksums: ChecksumSummary | None = None
     manifest: ManifestSummary | None = None
+    file_items: dict[str, int] = field(default_factory=dict)  # data file -> items it holds
 
     def records(self) -> list[str]:
         """The kinds of record whose checksums were checked."""
@@ -99,6 +120,56 @@ def read_metadata(checkpoint_dir: str) -> Metadata:
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means the same
         raise Unverifiable(f"{checkpoint_dir}/.metadata is unreadable: "
                            f"{type(exc).__name__}: {exc}") from exc
+
+
+def is_megatron(checkpoint_dir: str, metadata: Metadata) -> bool:
+    """Whether the directory is megatron-core's: it has ``metadata.json``, or a common state
+    (``common.pt``, or the ``common_state`` object of 0.19 on), which plain torch DCP never
+    writes. A megatron-core checkpoint that lost ``metadata.json`` stays one."""
+    return (os.path.exists(os.path.join(checkpoint_dir, "metadata.json"))
+            or os.path.exists(os.path.join(checkpoint_dir, "common.pt"))
+            or any(key.split("/")[0] == COMMON_STATE for key in metadata.state_dict_metadata))
+
+
+@dataclass(frozen=True)
+class DataFile:
+    """A data file as ``.metadata`` needs it, and as it is on disk."""
+
+    name: str
+    size: int | None  # None: missing
+    needs: int  # where its last entry ends
+    items: int
+
+    @property
+    def short(self) -> bool:
+        return self.size is None or self.size < self.needs
+
+    @property
+    def damage(self) -> str:
+        if self.size is None:
+            return "missing"
+        return f"ends at {self.size} bytes, its entries need {self.needs}"
+
+
+def data_files(metadata: Metadata, checkpoint_dir: str) -> dict[str, DataFile]:
+    """Every data file ``.metadata`` names, with its size on disk: one ``stat`` per file,
+    so ``inspect`` can flag a cut-short file without reading it."""
+    needs: dict[str, int] = {}
+    items: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        name = info.relative_path
+        needs[name] = max(needs.get(name, 0), info.offset + info.length)
+        items[name] = items.get(name, 0) + 1
+    found = {}
+    for name, end in needs.items():
+        path = os.path.join(checkpoint_dir, name)
+        found[name] = DataFile(name, os.path.getsize(path) if os.path.exists(path) else None,
+                               end, items[name])
+    return found
+
+
+def _chunk(offset: Sequence[int] | None) -> str:
+    return "" if offset is None else f" (chunk at {tuple(offset)})"
 
 
 def _overlap(a: ChunkStorageMetadata, b: ChunkStorageMetadata) -> bool:
@@ -129,11 +200,10 @@ def tensor_problems(key: str, md: TensorStorageMetadata) -> list[Problem]:
     return problems
 
 
-def storage_problems(metadata: Metadata, checkpoint_dir: str) -> list[Problem]:
+def storage_problems(metadata: Metadata, files: dict[str, DataFile]) -> list[Problem]:
     """Every chunk and object needs a storage entry inside an existing data file."""
     problems: list[Problem] = []
     storage = metadata.storage_data or {}
-    sizes: dict[str, int | None] = {}
     for key, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
             indices = [MetadataIndex(key, chunk.offsets) for chunk in md.chunks]
@@ -146,15 +216,14 @@ def storage_problems(metadata: Metadata, checkpoint_dir: str) -> list[Problem]:
                 where = "" if index.offset is None else f" for chunk at {tuple(index.offset)}"
                 problems.append(Problem(key, f"no storage entry{where}"))
                 continue
-            if info.relative_path not in sizes:
-                path = os.path.join(checkpoint_dir, info.relative_path)
-                sizes[info.relative_path] = os.path.getsize(path) if os.path.exists(path) else None
-            size = sizes[info.relative_path]
-            if size is None:
-                problems.append(Problem(key, f"data file {info.relative_path} is missing"))
-            elif info.offset + info.length > size:
-                problems.append(Problem(key, f"{info.relative_path} ends at {size} bytes, "
-                                             f"its entry needs {info.offset + info.length}"))
+            file = files[info.relative_path]
+            if file.size is None:
+                problems.append(Problem(key, f"data file {file.name} is missing"
+                                             f"{_chunk(index.offset)}", file.name, file.damage))
+            elif info.offset + info.length > file.size:
+                problems.append(Problem(key, f"{file.name} ends at {file.size} bytes, its entry "
+                                             f"needs {info.offset + info.length}"
+                                             f"{_chunk(index.offset)}", file.name, file.damage))
     return problems
 
 
@@ -195,57 +264,138 @@ def megatron_problems(checkpoint_dir: str) -> list[Problem]:
     return []
 
 
-def checksum_problems(metadata: Metadata,
-                      checkpoint_dir: str) -> tuple[list[Problem], ChecksumSummary | None]:
-    """Every item's bytes against the checksums recorded when it was saved."""
-    try:
-        record = read_record(checkpoint_dir)
-    except RecordError as exc:
-        return [Problem(SIDECAR, str(exc))], None
+#: What a mismatch says about its file, by kind ("missing" and "short": storage_problems').
+_DAMAGE = {"checksum": "bytes differ from the checksum record",
+           "length": "the checksum record and .metadata disagree on item lengths"}
+
+
+def _batches(items: Sequence[Item]) -> Iterator[list[Item]]:
+    """Consecutive items of at most :data:`BATCH_BYTES` (at least one item each)."""
+    batch: list[Item] = []
+    size = 0
+    for item in items:
+        if batch and size + item.length > BATCH_BYTES:
+            yield batch
+            batch, size = [], 0
+        batch.append(item)
+        size += item.length
+    if batch:
+        yield batch
+
+
+def checksum_problems(metadata: Metadata, checkpoint_dir: str, record: ChecksumRecord | None,
+                      advance: Advance = lambda n: None,
+                      ) -> tuple[list[Problem], ChecksumSummary]:
+    """Every item's bytes against the checksums recorded when it was saved; ``advance`` is
+    told the bytes of each batch checked."""
     items = items_of(metadata)
     status = record_status(record, metadata)
     if status != "verified":
         return [], ChecksumSummary(status, len(items))
     assert record is not None
-    mismatches, unrecorded = check_items(checkpoint_dir, items, record)
+    mismatches, unrecorded = [], []
+    for batch in _batches(items):
+        found, missing = check_items(checkpoint_dir, batch, record)
+        mismatches += found
+        unrecorded += missing
+        advance(sum(item.length for item in batch))
     problems = [Problem(m.item.key, f"{m.cause}, in {m.item.file} at bytes "
                                     f"{m.item.offset}..{m.item.offset + m.item.length}"
-                                    + ("" if m.item.chunk is None else
-                                       f" (chunk at {m.item.chunk})"))
+                                    f"{_chunk(m.item.chunk)}", m.item.file, _DAMAGE[m.kind])
                 for m in mismatches
                 if m.kind not in ("missing", "short")]  # storage_problems names those
     return problems, ChecksumSummary(status, len(items), len(items) - len(unrecorded),
                                      len(unrecorded), len(mismatches), record.algorithm)
 
 
-def manifest_problems(checkpoint_dir: str) -> tuple[list[Problem], ManifestSummary | None]:
-    """Every file against megatron-core's integrity manifest, when the checkpoint has one."""
-    try:
-        manifest = Manifest.read(checkpoint_dir)
-    except ManifestError as exc:
-        return [Problem(MANIFEST, str(exc))], None
-    if manifest is None:
-        return [], None
-    mismatches, summary = check_manifest(checkpoint_dir, manifest)
-    return [Problem(f"{MANIFEST}: {name}", cause) for name, cause in mismatches], summary
+@dataclass(frozen=True)
+class Records:
+    """The checkpoint's checksum record and megatron-core's manifest, each read once: the
+    total to read is known before the reading starts. None: absent, or unreadable (then its
+    ``*_error`` says why)."""
+
+    checksums: ChecksumRecord | None
+    checksums_error: Problem | None
+    manifest: Manifest | None
+    manifest_error: Problem | None
+
+    @classmethod
+    def read(cls, checkpoint_dir: str) -> Records:
+        checksums = manifest = checksums_error = manifest_error = None
+        try:
+            checksums = read_record(checkpoint_dir)
+        except RecordError as exc:
+            checksums_error = Problem(SIDECAR, str(exc))
+        try:
+            manifest = Manifest.read(checkpoint_dir)
+        except ManifestError as exc:
+            manifest_error = Problem(MANIFEST, str(exc))
+        return cls(checksums, checksums_error, manifest, manifest_error)
+
+    def bytes_to_read(self, checkpoint_dir: str, metadata: Metadata) -> int:
+        """What checks 5 and 6 read: every item of a record of this save, every manifest
+        file."""
+        total = 0
+        if record_status(self.checksums, metadata) == "verified":
+            total += sum(item.length for item in items_of(metadata))
+        if self.manifest is not None:
+            total += sum(_file_size(checkpoint_dir, name) for name in self.manifest.files)
+        return total
 
 
-def verify(checkpoint_dir: str, megatron: bool = True) -> Report:
+def _file_size(checkpoint_dir: str, name: str) -> int:
+    path = os.path.join(checkpoint_dir, name)
+    return os.path.getsize(path) if os.path.isfile(path) else 0
+
+
+def manifest_problems(checkpoint_dir: str, manifest: Manifest,
+                      advance: Advance = lambda n: None,
+                      ) -> tuple[list[Problem], ManifestSummary]:
+    """Every file against megatron-core's integrity manifest, :data:`THREADS` files at a
+    time (the threads ``check_manifest`` hashes on), ``advance`` told each group's bytes."""
+    names = sorted(manifest.files)
+    mismatches: list[tuple[str, str]] = []
+    for start in range(0, len(names), THREADS):
+        group = names[start:start + THREADS]
+        found, _ = check_manifest(checkpoint_dir, Manifest(
+            manifest.algorithm, {name: manifest.files[name] for name in group}))
+        mismatches += found
+        advance(sum(_file_size(checkpoint_dir, name) for name in group))
+    return ([Problem(f"{MANIFEST}: {name}", cause) for name, cause in mismatches],
+            ManifestSummary(manifest.algorithm, len(names), len(mismatches)))
+
+
+def verify(checkpoint_dir: str, megatron: bool | None = None,
+           progress: bool = False) -> Report:
     """Every reason the checkpoint would not load completely and correctly.
 
     Raises :class:`Unverifiable` when ``.metadata`` cannot be read. ``megatron=False`` checks
-    a plain torch DCP checkpoint (no ``metadata.json``, no common state).
+    a plain torch DCP checkpoint (no ``metadata.json``, no common state), ``True`` a
+    megatron-core one; None tells them apart (:func:`is_megatron`). ``progress`` shows the
+    bytes read on stderr (:mod:`.progress`).
     """
     metadata = read_metadata(checkpoint_dir)
-    report = Report(len(metadata.state_dict_metadata))
+    if megatron is None:
+        megatron = is_megatron(checkpoint_dir, metadata)
+    files = data_files(metadata, checkpoint_dir)
+    report = Report(len(metadata.state_dict_metadata), megatron,
+                    file_items={name: file.items for name, file in files.items()})
     for key, md in metadata.state_dict_metadata.items():
         if isinstance(md, TensorStorageMetadata):
             report.problems += tensor_problems(key, md)
-    report.problems += storage_problems(metadata, checkpoint_dir)
+    report.problems += storage_problems(metadata, files)
     if megatron:
         report.problems += megatron_problems(checkpoint_dir)
-    problems, report.checksums = checksum_problems(metadata, checkpoint_dir)
-    report.problems += problems
-    problems, report.manifest = manifest_problems(checkpoint_dir)
-    report.problems += problems
+    records = Records.read(checkpoint_dir)
+    report.problems += [p for p in (records.checksums_error, records.manifest_error) if p]
+    total = records.bytes_to_read(checkpoint_dir, metadata)
+    with reading(total, "verify", progress) as advance:
+        if records.checksums_error is None:
+            problems, report.checksums = checksum_problems(metadata, checkpoint_dir,
+                                                           records.checksums, advance)
+            report.problems += problems
+        if records.manifest is not None:
+            problems, report.manifest = manifest_problems(checkpoint_dir, records.manifest,
+                                                          advance)
+            report.problems += problems
     return report

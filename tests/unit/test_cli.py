@@ -5,6 +5,12 @@ it; a storage entry per chunk/object, inside an existing data file; megatron-cor
 metadata.json; the common state (common.pt, or the common_state object of >= 0.19); the
 checksums recorded at save time. Before, verify exited 0 on a deleted common.pt, a deleted
 metadata.json and a flipped byte, and printed a traceback without .metadata.
+
+For real checkpoints: a damaged data file is one PROBLEM line with the count of items it
+breaks, then at most ``--items`` of them (before: one line per item, thousands on a real
+model); ``inspect`` exits 1 with a one-line hint on a file shorter than its entries need
+(before: exit 0); a plain torch DCP checkpoint is recognised without ``--dcp`` (before:
+"metadata.json: missing"); verify shows its progress on stderr (before: silence).
 """
 
 from __future__ import annotations
@@ -12,7 +18,9 @@ from __future__ import annotations
 import datetime
 import hashlib
 import inspect
+import io
 import json
+import re
 import shutil
 from importlib.metadata import version
 
@@ -26,7 +34,7 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 import megatron_ckpt_fixes
 from megatron_ckpt_fixes.checksums import SIDECAR
-from megatron_ckpt_fixes.cli import main
+from megatron_ckpt_fixes.cli import main, progress
 
 W = torch.arange(12.0).reshape(3, 4)
 
@@ -57,12 +65,16 @@ def _write_manifest_as_megatron_core_0_19(ckpt) -> None:
                                                     indent=2))
 
 
+#: Tensors of the "many" checkpoint, all in one data file.
+MANY = 30
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     """A megatron-core checkpoint with checksums ("ckpt"), one without ("plain"), one with
     checksums and megatron-core's integrity manifest ("manifest"; written by megatron-core
-    where the release has the option, in its format otherwise), and a plain torch DCP
-    checkpoint ("dcp")."""
+    where the release has the option, in its format otherwise), and plain torch DCP
+    checkpoints ("dcp"; "many": :data:`MANY` tensors in one file)."""
     from megatron.core import dist_checkpointing
 
     root = tmp_path_factory.mktemp("cli")
@@ -82,6 +94,8 @@ def saved(tmp_path_factory):
             if manifest and not flag:
                 _write_manifest_as_megatron_core_0_19(root / name)
         dcp.save({"w": W.clone(), "obj": {"step": 3}}, checkpoint_id=str(root / "dcp"))
+        dcp.save({f"t{i}": torch.full((64,), float(i)) for i in range(MANY)},
+                 checkpoint_id=str(root / "many"))
     finally:
         megatron_ckpt_fixes.uninstall()
         dist.destroy_process_group()
@@ -104,9 +118,27 @@ def _problems(lines: list[str]) -> list[str]:
     return [line.removeprefix("PROBLEM ") for line in lines if line.startswith("PROBLEM ")]
 
 
+def _item_lines(lines: list[str]) -> list[str]:
+    """The items listed under a damaged file's PROBLEM line."""
+    return [line.removeprefix("  ") for line in lines if line.startswith("  ")]
+
+
+def _files(ckpt) -> set[str]:
+    return {info.relative_path for info in read_metadata(ckpt).storage_data.values()}
+
+
+def _items_in(ckpt, file: str) -> list:
+    return [info for info in read_metadata(ckpt).storage_data.values()
+            if info.relative_path == file]
+
+
 def test_a_complete_checkpoint_verifies(ckpt, capsys):
     code, lines, err = _verify(capsys, ckpt)
     assert code == 0 and not _problems(lines), lines
+    # stderr is no terminal here: one plain progress line at the end, no bar
+    assert [line for line in err.splitlines() if re.fullmatch(
+        r"verify: \d+\.\d\d GiB read in \d+\.\d s \(\d+\.\d\d GiB/s\)", line)], err
+    assert "\r" not in err
     items = len(read_metadata(ckpt).storage_data)
     assert f"checksums: {items} of {items} item(s) match their xxh3_64 checksums" in lines
     assert lines[-1].endswith("OK")
@@ -218,15 +250,29 @@ def test_a_missing_storage_entry(ckpt, capsys):
 
 def test_missing_and_truncated_data_files(ckpt, capsys):
     info = storage_entry(ckpt, "w")
-    with open(ckpt / info.relative_path, "r+b") as f:
-        f.truncate(info.offset + 8)
+    file, cut = info.relative_path, info.offset + 8
+    entries = _items_in(ckpt, file)
+    broken = sum(e.offset + e.length > cut for e in entries)
+    need = max(e.offset + e.length for e in entries)
+    with open(ckpt / file, "r+b") as f:
+        f.truncate(cut)
     code, lines, _ = _verify(capsys, ckpt)
     assert code == 1 and _problems(lines) == [
-        f"w: {info.relative_path} ends at {info.offset + 8} bytes, its entry needs "
-        f"{info.offset + info.length}"]
-    (ckpt / info.relative_path).unlink()
+        f"{file}: ends at {cut} bytes, its entries need {need}: breaks {broken} of its "
+        f"{len(entries)} item(s)"]
+    assert (f"w: {file} ends at {cut} bytes, its entry needs {info.offset + info.length} "
+            "(chunk at (0, 0))") in _item_lines(lines)
+    assert main(["inspect", str(ckpt)]) == 1
+    out, err = capsys.readouterr()
+    assert out.splitlines()[-1].startswith("total: ")
+    assert err == (f"megatron-ckpt-fixes inspect: {file}: ends at {cut} bytes, its entries need "
+                   f"{need} (1 of {len(_files(ckpt))} data file(s) too short or missing): "
+                   f"megatron-ckpt-fixes verify {ckpt} names the items that cannot load\n")
+    (ckpt / file).unlink()
     code, lines, _ = _verify(capsys, ckpt)
-    assert code == 1 and f"w: data file {info.relative_path} is missing" in _problems(lines)
+    assert code == 1 and f"{file}: missing: breaks {len(entries)} of its {len(entries)} " \
+                         "item(s)" in _problems(lines)
+    assert f"w: data file {file} is missing (chunk at (0, 0))" in _item_lines(lines)
 
 
 @pytest.mark.parametrize("content, says", [
@@ -273,7 +319,9 @@ def test_a_flipped_byte_is_named_with_key_and_file(ckpt, capsys):
     info = storage_entry(ckpt, "w")
     code, lines, _ = _verify(capsys, ckpt)
     assert code == 1
-    [problem] = _problems(lines)
+    assert _problems(lines) == [f"{file}: bytes differ from the checksum record: breaks 1 of "
+                                f"its {len(_items_in(ckpt, file))} item(s)"]
+    [problem] = _item_lines(lines)
     assert problem.startswith("w: checksum mismatch (recorded xxh3_64 ")
     assert problem.endswith(f"in {file} at bytes {info.offset}..{info.offset + info.length} "
                             "(chunk at (0, 0))")
@@ -334,7 +382,8 @@ def test_a_tampered_checkpoint_fails_both_records(saved, tmp_path, capsys):
     code, lines, _ = _verify(capsys, ckpt)
     problems = _problems(lines)
     assert code == 1 and len(problems) == 2, problems
-    assert problems[0].startswith("w: checksum mismatch (recorded xxh3_64 ")
+    assert problems[0].startswith(f"{file}: bytes differ from the checksum record: breaks 1 ")
+    assert _item_lines(lines)[0].startswith("w: checksum mismatch (recorded xxh3_64 ")
     assert problems[1].startswith(f"integrity.json: {file}: sha256 mismatch (recorded ")
     upstream = _upstream_verdict(ckpt)
     if upstream is not None:  # megatron-core's own check names the same file
@@ -369,7 +418,66 @@ def test_an_unreadable_record_is_a_problem(ckpt, capsys):
 
 
 def test_plain_torch_dcp_checkpoint(saved, capsys):
+    """Recognised without --dcp (neither metadata.json nor a common state); --dcp still
+    works; a megatron-core checkpoint without metadata.json stays one
+    (test_megatron_metadata_json)."""
     code, lines, _ = _verify(capsys, saved / "dcp", "--dcp")
     assert code == 0 and lines[-1].endswith("torch DCP checkpoint, 2 keys, OK")
     code, lines, _ = _verify(capsys, saved / "dcp")
-    assert code == 1 and _problems(lines)[0].startswith("metadata.json: missing")
+    assert code == 0 and lines[-1].endswith("torch DCP checkpoint, 2 keys, OK"), lines
+    assert lines[0] == ("no metadata.json and no common state: checked as a plain torch DCP "
+                        "checkpoint (--dcp)")
+    assert main(["inspect", str(saved / "dcp")]) == 0
+    assert capsys.readouterr().out.startswith(f"{saved / 'dcp'}: torch DCP checkpoint, 2 keys")
+
+
+def test_a_cut_short_file_is_one_line_with_its_item_count(saved, tmp_path, capsys):
+    """Half of a file of 30 items cut off: one PROBLEM line counting the items it breaks,
+    then the first --items of them and how many more (a line per item before)."""
+    ckpt = shutil.copytree(saved / "many", tmp_path / "many")
+    [file] = _files(ckpt)
+    entries = _items_in(ckpt, file)
+    assert len(entries) == MANY
+    cut = (ckpt / file).stat().st_size // 2
+    with open(ckpt / file, "r+b") as f:
+        f.truncate(cut)
+    broken = sum(e.offset + e.length > cut for e in entries)
+    need = max(e.offset + e.length for e in entries)
+    assert 10 < broken < MANY
+    for flags, shown in ((), 10), (("--items", "3"), 3), (("--items", str(MANY)), broken):
+        code, lines, _ = _verify(capsys, ckpt, *flags)
+        assert code == 1 and _problems(lines) == [
+            f"{file}: ends at {cut} bytes, its entries need {need}: breaks {broken} of its "
+            f"{MANY} item(s)"], lines
+        items = _item_lines(lines)
+        more = [] if shown == broken else [f"... and {broken - shown} more (--items {broken} "
+                                           "lists them all)"]
+        assert len(items) == shown + len(more) and items[shown:] == more, items
+        assert all(f" ends at {cut} bytes, its entry needs " in i for i in items[:shown])
+        assert lines[-1].endswith(f", 1 damaged file(s) breaking {broken} item(s)")
+
+
+@pytest.mark.varies_with()
+@pytest.mark.parametrize("tty", [True, False])
+def test_progress_on_a_terminal_is_a_bar_with_gib_per_s(tty):
+    """A tqdm bar (carriage returns, GiB and GiB/s) on a terminal; a plain line otherwise."""
+
+    class Stream(io.StringIO):
+        def isatty(self) -> bool:
+            return tty
+
+    stream = Stream()
+    with progress.reading(3 << 30, "verify", True, stream) as advance:
+        for _ in range(3):
+            advance(1 << 30)
+    text = stream.getvalue()
+    if tty:
+        assert "\r" in text and "100%" in text and "3.00/3.00 GiB" in text, text
+        assert re.search(r"\d+\.\d\dGiB/s", text), text
+    else:
+        assert re.fullmatch(r"verify: 3\.00 GiB read in \d+\.\d s \(\d+\.\d\d GiB/s\)\n",
+                            text), text
+    quiet = Stream()
+    with progress.reading(3 << 30, "verify", False, quiet) as advance:
+        advance(3 << 30)
+    assert quiet.getvalue() == ""
