@@ -3,12 +3,12 @@ there, otherwise from GitHub, one pinned commit at a time.
 
 The tests run upstream's own files (``scripts/upstream_snapshots.py``). CI has them in
 ``shared/upstream`` beside the checkout; a user's clone does not, and cloning Megatron-LM by
-hand to ``git archive`` five commits is the step a user should not have to do. For each
-snapshot folder (``megatron-lm`` and the ones beside it) that has no ``SHA256SUMS`` yet, this
-downloads GitHub's archive of each pinned commit (``scripts/upstream_pins.py``), keeps it
-only if it holds that commit's pinned files, repacks it in the shared tarball's layout and
-writes the folder's ``SHA256SUMS`` last, so that a folder with one is complete. A snapshot
-already repacked by an interrupted run is kept.
+hand to ``git archive`` six commits is the step a user should not have to do. For each
+snapshot that its folder's ``SHA256SUMS`` does not list (every one of a new folder; one
+pinned since an earlier fetch), this downloads GitHub's archive of the pinned commit
+(``scripts/upstream_pins.py``), keeps it only if it holds that commit's pinned files,
+repacks it in the shared tarball's layout and adds it to ``SHA256SUMS`` last, once the
+folder's snapshots are all there. A snapshot already repacked by an interrupted run is kept.
 
 Where: the folder ``MCF_UPSTREAM_SNAPSHOTS`` names (its siblings for the other systems); else
 nothing to do when ``../shared/upstream/megatron-lm`` is there; else
@@ -40,8 +40,9 @@ from upstream_pins import PINS, ArchiveMismatch, Pin, repack  # noqa: E402
 URL_ENV = "MCF_UPSTREAM_ARCHIVE_URL"
 #: GitHub's ``git archive`` of a commit (where github.com/REPO/archive/COMMIT.tar.gz leads).
 GITHUB_URL = "https://codeload.github.com/{repo}/tar.gz/{commit}"
-#: Seconds without a byte before a download counts as unreachable.
-TIMEOUT_S = 60
+#: Seconds without a byte before a download counts as unreachable (per commit: where a
+#: firewall drops packets, the six lines come after two minutes, not six).
+TIMEOUT_S = 20
 
 
 class FetchFailed(RuntimeError):
@@ -100,27 +101,38 @@ def fetch(pin: Pin, dest: Path) -> None:
         download.unlink(missing_ok=True)
 
 
-def bring(name: str, folder: Path) -> list[str]:
-    """Fetch every snapshot of folder ``name`` into ``folder`` (which has no ``SHA256SUMS``)
-    and write its ``SHA256SUMS`` when all are there; return one error line per commit not
+def unlisted(name: str, folder: Path) -> list[str]:
+    """The refs of snapshot folder ``name`` that its ``SHA256SUMS`` does not list yet (all
+    of them without one; a folder fetched before a snapshot was added lacks that one)."""
+    sums = folder / "SHA256SUMS"
+    text = sums.read_text() if sums.is_file() else ""
+    listed = {line.split()[-1].lstrip("*") for line in text.splitlines() if line.strip()}
+    return [ref for ref, tarball in tarball_names(name).items() if tarball not in listed]
+
+
+def bring(name: str, folder: Path, refs: list[str]) -> list[str]:
+    """Fetch snapshots ``refs`` of folder ``name`` into ``folder`` and, once all are there,
+    add them to its ``SHA256SUMS`` (the lines already there stay: they are what the shared
+    or earlier fetched tarballs are checked against); return one error line per commit not
     brought."""
     folder.mkdir(parents=True, exist_ok=True)
     names = tarball_names(name)
     errors = []
-    for ref, pin in PINS[name].items():
+    for ref in refs:
         dest = folder / names[ref]
         if dest.is_file():  # repack writes it whole, after its checks, or not at all
             continue
         try:
-            fetch(pin, dest)
+            fetch(PINS[name][ref], dest)
         except (FetchFailed, ArchiveMismatch) as error:
             errors.append(f"{name} {ref}: {error}")
     if not errors:
-        sums = []
-        for tarball in sorted(names.values()):
-            with open(folder / tarball, "rb") as f:
-                sums.append(f"{hashlib.file_digest(f, 'sha256').hexdigest()}  {tarball}\n")
-        (folder / "SHA256SUMS").write_text("".join(sums))
+        sums = folder / "SHA256SUMS"
+        lines = sums.read_text() if sums.is_file() else ""
+        for ref in refs:
+            with open(folder / names[ref], "rb") as f:
+                lines += f"{hashlib.file_digest(f, 'sha256').hexdigest()}  {names[ref]}\n"
+        sums.write_text(lines)
     return errors
 
 
@@ -128,15 +140,16 @@ def main() -> int:
     """Bring every snapshot folder: one line each, one error line per commit not brought."""
     errors = []
     for name, folder in folders().items():
-        if (folder / "SHA256SUMS").is_file():
+        refs = unlisted(name, folder)
+        if not refs:
             print(f"{name}: snapshots at {folder}")
             continue
         try:
-            found = bring(name, folder)
+            found = bring(name, folder, refs)
         except OSError as error:  # the folder cannot be written
             found = [f"{name}: {error}"]
         if not found:
-            print(f"{name}: fetched {len(PINS[name])} pinned commits into {folder}")
+            print(f"{name}: fetched {len(refs)} pinned commits into {folder}")
         errors += found
     for line in errors:
         print(f"error: {line}", file=sys.stderr)

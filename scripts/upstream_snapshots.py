@@ -203,7 +203,8 @@ def _extract(folder: Path, name: str, ref: str, suffix: str, training_only: bool
     """Extract ``folder/name`` once per digest into the cache; return the extracted tree."""
     tarball = folder / name
     if not tarball.is_file():
-        raise SnapshotMissing(f"{tarball} is missing (snapshot {ref})")
+        raise SnapshotMissing(f"{tarball} is missing (snapshot {ref}): python "
+                              "scripts/fetch_upstream_snapshots.py fetches it")
     expected = _expected_sha256(folder, tarball.name)
     cache = Path(os.environ.get(CACHE_ENV) or cache_root() / "snapshots")
     tree = cache / f"{ref}-{expected[:12]}{suffix}"

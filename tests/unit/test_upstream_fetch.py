@@ -172,6 +172,21 @@ def test_unreachable_github_gives_one_line_per_commit_and_takes_the_file_put_the
     assert (upstream_snapshots.snapshot("s") / "widget-c0ffee" / "LICENSE").is_file()
 
 
+def test_a_snapshot_pinned_after_a_fetch_is_added_to_the_folder(pin, served, target, capsys):
+    served[f"/acme/Widget/{COMMIT}"] = _github(pin)
+    assert fetch.main() == 0
+    listed = (target / "SHA256SUMS").read_text()
+    later = dataclasses.replace(pin, commit="e" * 40)
+    fetch.PINS["megatron-lm"]["s"] = later  # the fixtures' dicts, fresh per test
+    upstream_snapshots.TARBALLS["s"] = "widget-s.tar.gz"
+    served[f"/acme/Widget/{'e' * 40}"] = _github(later, commit="e" * 40)
+    capsys.readouterr()
+    assert fetch.main() == 0
+    assert capsys.readouterr().out == f"megatron-lm: fetched 1 pinned commits into {target}\n"
+    assert (target / "SHA256SUMS").read_text().startswith(listed)  # r's line is kept as it was
+    assert (upstream_snapshots.snapshot("s") / "widget-c0ffee" / "LICENSE").is_file()
+
+
 def test_the_default_url_is_githubs_archive_of_the_commit(monkeypatch):
     monkeypatch.delenv(fetch.URL_ENV, raising=False)
     pin = PINS["megatron-lm"]["core_v0.16.1"]
