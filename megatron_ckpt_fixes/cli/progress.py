@@ -22,8 +22,9 @@ Advance = Callable[[int], None]
 GIB = 1 << 30
 #: Seconds between two plain lines (not on a terminal).
 INTERVAL = 30.0
+#: tqdm's ``rate_fmt`` turns a rate under 1 into seconds per GiB: GiB/s always instead.
 BAR = ("{desc}: {percentage:3.0f}%|{bar}| {n:.2f}/{total:.2f} GiB "
-       "[{elapsed}<{remaining}, {rate_fmt}]")
+       "[{elapsed}<{remaining}, {rate_noinv_fmt}]")
 
 
 class _Lines:

@@ -474,6 +474,10 @@ def test_progress_on_a_terminal_is_a_bar_with_gib_per_s(tty):
     if tty:
         assert "\r" in text and "100%" in text and "3.00/3.00 GiB" in text, text
         assert re.search(r"\d+\.\d\dGiB/s", text), text
+        slow = Stream()  # under 1 GiB/s: tqdm's own rate would say s/GiB
+        with progress.reading(3 << 10, "verify", True, slow) as advance:
+            advance(3 << 10)
+        assert re.search(r" 0\.\d\dGiB/s\]", slow.getvalue()), slow.getvalue()
     else:
         assert re.fullmatch(r"verify: 3\.00 GiB read in \d+\.\d s \(\d+\.\d\d GiB/s\)\n",
                             text), text
