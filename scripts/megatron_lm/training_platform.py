@@ -33,7 +33,9 @@ training package needs on top:
   seed later than the uninterrupted run;
 - CUDA streams are the CPU's (``torch.cpu.Stream``, waits are no-ops) and CUDA events are
   always complete (CPU work is synchronous; torch's CPU events cannot be recorded);
-  memory statistics are zero; ``empty_cache`` and the memory-pool context do nothing.
+  memory statistics are zero; ``empty_cache`` and the memory-pool context do nothing;
+- with ``TORCHDYNAMO_DISABLE=1`` (the jobs' environment), ``torch.compile`` returns the
+  function it is given (:mod:`eager_compile`).
 
 Every mapping is counted by the line that asked for CUDA (:data:`cpu_platform.SITES`); the
 harness writes them per process (:func:`write_sites`), which shows that
@@ -56,6 +58,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "mcore_suite"))
 import cpu_platform  # noqa: E402  (the suite's platform, extended here)
+import eager_compile  # noqa: E402
 from after_import import after_import  # noqa: E402
 
 cpu_platform.PLATFORM_FILES.add(os.path.abspath(__file__))
@@ -251,6 +254,8 @@ class TrainingCpuPlatform(cpu_platform.CpuPlatform):
             self._set(torch.cuda, name, stand_in)  # they record their creation themselves
         for name, shim in TREE_ONLY_SHIMS.items():
             self._set(torch.cuda, name, _for_tree(self.tree, shim, getattr(torch.cuda, name)))
+        if eager_compile.dynamo_disabled():
+            self._set(torch, "compile", eager_compile.eager_compile)
         return self
 
 

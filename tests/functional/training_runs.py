@@ -23,6 +23,10 @@ RANK_ENV = Path(__file__).resolve().parent / "rank_env"
 DUMP_STATE_ENV = "MCF_TEST_DUMP_STATE"
 KILL_DURING_SAVE_ENV = "MCF_TEST_KILL_DURING_SAVE_ITER"
 
+#: Every rank's environment: one thread per rank (the machine has few cores); dynamo off, so
+#: torch.compile'd functions run eagerly (the ranks' test hooks then skip wrapping them).
+RANK_ENVIRONMENT = {"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
+
 #: Bound per job (all its attempts); a hang fails the test instead of blocking CI.
 JOB_TIMEOUT_S = 240
 
@@ -66,7 +70,7 @@ def run_job(workdir: Path, train_args: list[str], *, max_restarts: int = 0,
            *train_args, "--log-file", str(log)]
     output = workdir / f"{name}.out"
     path = os.pathsep.join(filter(None, [str(RANK_ENV), os.environ.get("PYTHONPATH")]))
-    job_env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": path, **(env or {})}
+    job_env = {**os.environ, **RANK_ENVIRONMENT, "PYTHONPATH": path, **(env or {})}
     if dump is not None:
         job_env[DUMP_STATE_ENV] = str(dump)
     with open(output, "w") as out:

@@ -9,6 +9,9 @@ The library carries no test switches; the functional tests put this directory on
 - ``MCF_TEST_DUMP_STATE=PATH``: when the job ends normally, rank 0 writes the full
   (tensor-parallel-gathered) weights and Adam state to PATH, so runs with different TP sizes
   can be compared bitwise.
+
+With ``TORCHDYNAMO_DISABLE=1`` (the jobs' environment), ``torch.compile`` returns the
+function it is given, as in Megatron-LM's ranks (``scripts/mcore_suite/eager_compile.py``).
 """
 
 from __future__ import annotations
@@ -17,10 +20,15 @@ import functools
 import logging
 import os
 import signal
+import sys
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[3] / "scripts" / "mcore_suite"))
+import eager_compile  # noqa: E402
 
 KILL_DURING_SAVE_ENV = "MCF_TEST_KILL_DURING_SAVE_ITER"
 DUMP_STATE_ENV = "MCF_TEST_DUMP_STATE"
@@ -91,6 +99,8 @@ def _kill_in(execute: Any, iteration: int) -> Any:
 
 def install() -> None:
     """Patch the requested hooks into the training package (called at interpreter start)."""
+    if eager_compile.dynamo_disabled():
+        torch.compile = eager_compile.eager_compile
     kill, dump = os.environ.get(KILL_DURING_SAVE_ENV), os.environ.get(DUMP_STATE_ENV)
     if kill is None and dump is None:
         return
