@@ -71,8 +71,6 @@ COMPONENTS = frozenset({"megatron-core", "torch", "python", "torchrec", "tzrec",
 #: The optional systems a CI leg does not install (``.ci/run``): the tests that vary with one
 #: of them are left to the legs that have it, and the run's summary names them.
 WITHOUT_ENV = "MCF_CI_WITHOUT"
-#: The test modules a leg did not collect (:func:`pytest_ignore_collect`), for the summary.
-_PROVEN = pytest.StashKey[list]()
 
 
 def pytest_configure(config):
@@ -133,18 +131,19 @@ def _module_varies_with(path: Path) -> frozenset[str] | None:
     return None
 
 
+def _proven_elsewhere(path: Path, leg: Leg) -> bool:
+    """A test module whose own marker names nothing new on ``leg``, or a system it lacks."""
+    if path.suffix != ".py" or not path.name.startswith("test_"):
+        return False
+    varies = _module_varies_with(path)
+    return varies is not None and not leg.runs(varies)
+
+
 def pytest_ignore_collect(collection_path: Path, config):
     """On a leg that names what is new, a test module whose own marker names none of it, or
     names a system the leg does not install, is not collected (an earlier leg ran it)."""
     leg = _leg()
-    if leg is None or collection_path.suffix != ".py" or \
-            not collection_path.name.startswith("test_"):
-        return None
-    varies = _module_varies_with(collection_path)
-    if varies is not None and not leg.runs(varies):
-        config.stash.setdefault(_PROVEN, []).append(collection_path.name)
-        return True
-    return None
+    return True if leg is not None and _proven_elsewhere(collection_path, leg) else None
 
 
 def pytest_collection_modifyitems(config, items):
@@ -163,7 +162,16 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_terminal_summary(terminalreporter, config):
-    modules = config.stash.get(_PROVEN, [])
+    """Names the modules the leg did not collect. Found again from the paths pytest was given,
+    not from the collection: with ``-n`` the workers collect, and the summary is the main
+    process's."""
+    leg = _leg()
+    if leg is None:
+        return
+    paths = [Path(config.rootpath, arg.split("::")[0]) for arg in config.args]
+    found = [p for arg in paths
+             for p in ([arg] if arg.is_file() else sorted(arg.rglob("test_*.py")))]
+    modules = [p.name for p in found if _proven_elsewhere(p, leg)]
     if modules:
         terminalreporter.write_line(
             f"{NEW_ENV}={os.environ[NEW_ENV]} {WITHOUT_ENV}={os.environ.get(WITHOUT_ENV, '')}: "

@@ -44,10 +44,10 @@ def test_ci_runs_the_quickstarts_test_command():
     """Leg 1 of .ci/run: the Quickstart's second command, its install part and its pytest."""
     command = re.findall(r"```bash\n(.*?)\n```", _quickstart(), re.S)[1]
     install, _, test = command.rpartition(" && ")
-    assert test == "python -m pytest -q"
+    assert test == "python -m pytest -q -n auto"
     ci = (REPO / ".ci" / "run").read_text()
     assert f"\n{install} \\\n" in ci
-    assert '\ncheck "pytest (0.16.1)" python -m pytest -q\n' in ci
+    assert '\ncheck "pytest (0.16.1)" python -m pytest -q -n auto\n' in ci
 
 
 def test_the_quickstart_says_what_its_commands_need():
