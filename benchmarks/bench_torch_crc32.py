@@ -53,10 +53,15 @@ def _cpu_seconds() -> float:
 
 
 def _crc_ok(path: str) -> bool:
-    """Whether the first record of the checkpoint's first data file has valid zip CRCs."""
+    """Whether the first tensor record of the checkpoint's first data file has valid zip CRCs
+    (objects, such as 0.19's common state, are serialized before the writer: they keep it)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
     from megatron_ckpt_fixes.cli.checks import read_metadata
 
-    info = min((metadata for metadata in read_metadata(path).storage_data.values()),
+    metadata = read_metadata(path)
+    info = min((info for index, info in metadata.storage_data.items()
+                if isinstance(metadata.state_dict_metadata[index.fqn], TensorStorageMetadata)),
                key=lambda i: (i.relative_path, i.offset))
     with open(os.path.join(path, info.relative_path), "rb") as f:
         f.seek(info.offset)
