@@ -109,6 +109,40 @@ def _slow_writes(module: ModuleType) -> None:
     module._write_item = slow_write_item
 
 
+def _plain(get_preparation_data: Callable[..., dict]) -> Callable[..., dict]:
+    @functools.wraps(get_preparation_data)
+    def call(name: str) -> dict:
+        data = get_preparation_data(name)
+        data.pop("init_main_from_path", None)
+        data.pop("init_main_from_name", None)
+        return data
+
+    return call
+
+
+def _managers_without_main(start_manager: Callable[..., Any]) -> Callable[..., Any]:
+    """``BaseManager.start`` whose server process does not run the rank's main script.
+
+    A spawned child first runs its parent's ``__main__`` as ``__mp_main__``, so that the
+    functions it is sent can be found: for ``pretrain_gpt.py`` that is every import of the
+    training package, 8-10 s of CPU. The server of megatron-core's write-results queue
+    (``ctx.Manager().Queue()``, a Manager per rank and save process) only passes torch's
+    write results along and never looks in ``__main__``; it starts without it."""
+
+    @functools.wraps(start_manager)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        import multiprocessing.spawn as spawn
+
+        prepare = spawn.get_preparation_data
+        spawn.get_preparation_data = _plain(prepare)
+        try:
+            return start_manager(*args, **kwargs)
+        finally:
+            spawn.get_preparation_data = prepare
+
+    return call
+
+
 def start() -> None:
     """Open the platform (ranks and their workers), arm the loss record (ranks), dump the
     CUDA call sites at exit."""
@@ -124,5 +158,9 @@ def start() -> None:
         atexit.register(training_platform.write_sites, out)
     if not spawned and os.environ.get(LOSS_LOG_ENV):
         after_import(TRAINING_MODULE, _record_losses)
+    if not spawned:
+        import multiprocessing.managers as managers
+
+        managers.BaseManager.start = _managers_without_main(managers.BaseManager.start)
     if spawned and os.environ.get(WRITE_DELAY_ENV):
         after_import(WRITER_MODULE, _slow_writes)
