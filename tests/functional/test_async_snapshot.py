@@ -40,14 +40,26 @@ def fixed(tmp_path_factory) -> list[dict]:
     return _outcomes(tmp_path_factory, "fixed")
 
 
+def _not_the_moment(outcome) -> bool:
+    """Upstream's save of this scenario is not the moment of scheduling, as a checkpoint that
+    loads: torn (the next step's values, in every tensor or in those written after the
+    change), or its bytes fail the checksums hashed from live memory (the writer wrote before
+    the change and the helper hashed after it: a false mismatch). Which one a save shows
+    depends on whether the trainer's change lands before the writer reads a tensor, which a
+    loaded machine decides where nothing gates the writer (``in-flight-2``)."""
+    return outcome.torn > 0 or outcome.checksums.startswith("ChecksumError")
+
+
 @pytest.mark.timeout(700)
 def test_upstream_async_saves_write_the_next_steps_values(upstream):
-    """Every scenario but the fork of private memory is torn on every rank (the next step's
-    values, in every tensor or in those written after the change: how many depends on how
-    fast the writer starts, which a loaded machine decides)."""
+    """Every scenario but the fork of private memory fails on every rank (:func:`_not_the_moment`);
+    most are torn."""
     for rank, out in enumerate(upstream):
         assert out["fork-private-scheduled"].torn == 0, (rank, out)  # the fork freezes it
         for name in TORN_UPSTREAM:
+            assert _not_the_moment(out[name]), (rank, name, out[name])
+        # The writers gated in the middle of their writes are torn whatever the timing.
+        for name in ("fork-shared-writing", "persistent-writing", "in-flight-1"):
             assert out[name].torn > 0, (rank, name, out[name])
         # Pickling the request to the persistent worker moved the trainer's own tensors.
         assert out["persistent-scheduled"].shared_before == 0, out
