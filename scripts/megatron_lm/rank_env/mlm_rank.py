@@ -14,6 +14,8 @@
   by the ranks that hold the losses: the last pipeline stage).
 - At exit, each process writes the CUDA call sites it mapped to
   ``MCF_MLM_SITES_DIR/cuda_sites-<role>-<pid>.json``.
+- In the ranks, the server of megatron-core's write-results queue (a spawned Manager) starts
+  without running the rank's script as ``__mp_main__`` (:func:`_managers_without_main`).
 - With ``MCF_MLM_CKPT_WRITE_DELAY_S``, megatron-core's checkpoint workers wait that long
   before writing each item (torch's ``_write_item`` as ``filesystem_async`` calls it): a
   writer as slow as a large model's, on a tiny CPU model, so the next training steps land
