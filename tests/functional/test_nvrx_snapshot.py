@@ -46,8 +46,13 @@ def _run(tmp_path, monkeypatch, mode: str) -> list:
 
 
 def test_nvrx_persistent_save_upstream_writes_the_next_steps_values(tmp_path, monkeypatch):
-    for rank, outcome in enumerate(_run(tmp_path, monkeypatch, "upstream")):
-        assert outcome.torn > 0 and outcome.trainer_shared == 8, (rank, outcome)
+    """Every rank's tensors were moved into shared memory, where the worker reads the next
+    step's values; whether a rank's writer reads after the change (torn) is a race nothing
+    gates here, which a loaded machine can decide the other way on one rank (seen under -n):
+    torn on at least one rank."""
+    outcomes = _run(tmp_path, monkeypatch, "upstream")
+    assert all(o.trainer_shared == 8 for o in outcomes), outcomes
+    assert any(o.torn > 0 for o in outcomes), outcomes
 
 
 def test_nvrx_persistent_save_is_a_snapshot_with_the_fixes(tmp_path, monkeypatch):
