@@ -95,6 +95,14 @@ PRELOAD_MEGATRON = ("megatron.core", "megatron.core.dist_checkpointing",
                     "megatron.core.transformer", "megatron.core.optimizer")
 
 
+def _feature_modules() -> list[str]:
+    """The modules of this package's megatron-core features: imported, not installed (each
+    rank installs what its test asks for): a few tenths of a second of CPU per rank."""
+    from . import FEATURES, MEGATRON_CORE, feature_system
+
+    return [f"{__package__}.{f}" for f in FEATURES if feature_system(f) == MEGATRON_CORE]
+
+
 def _startup_environment() -> dict[str, str]:
     """The variables an interpreter's start-up reads: Python's own (``PYTHONPATH``, and a
     ``sitecustomize`` found on it) and the package's activation switch (its ``.pth`` file)."""
@@ -116,7 +124,8 @@ def _context() -> Any:
         return mp.get_context("spawn")
     ctx = mp.get_context("forkserver")
     armed = switched_on(os.environ.get(ENV))
-    ctx.set_forkserver_preload(list(PRELOAD) + ([] if armed else list(PRELOAD_MEGATRON)))
+    ctx.set_forkserver_preload(
+        list(PRELOAD) + ([] if armed else [*PRELOAD_MEGATRON, *_feature_modules()]))
     return ctx
 
 

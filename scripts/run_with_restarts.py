@@ -32,6 +32,11 @@ port and, on CPU, on a new placement (``MCF_CPU_DEVICE_INDEX`` = attempt number)
 rerun state machine sees the relaunch on "another device", as a scheduler that excludes the
 suspicious node would place it; ``--same-device`` keeps the placement.
 
+With ``--fork-ranks`` each rank is a fork of the runner that runs the script as a new
+interpreter would (``forked_start.py``): for a runner forked from a process that already
+imported the training's modules (the tests' preloaded launcher), each rank skips those
+imports. The ranks still run in their own sessions, with their own environment and exit codes.
+
 With ``--log-dir DIR`` each rank's output (stdout and stderr) of attempt N goes to
 ``DIR/attempt_N/rank_K.log`` instead of the runner's output, as torchrun's ``--log-dir
 --redirects 3`` keeps it; the runner's own lines still go to its output.
@@ -53,6 +58,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import psutil
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import forked_start  # noqa: E402
 
 TRAIN = Path(__file__).resolve().parent / "train.py"
 RESUME_TO_DISAMBIGUATE = 16
@@ -209,11 +217,36 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+class ForkedRank:
+    """A rank forked by this runner (``--fork-ranks``), polled like a ``subprocess.Popen``."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+
+def _start_rank(script: Path, train_args: list[str], env: dict[str, str],
+                output: int | None, fork: bool) -> subprocess.Popen | ForkedRank:
+    """One rank in its own session (so the job's leftovers can be cleaned up: _reap)."""
+    if fork:
+        return ForkedRank(forked_start.fork_script(script, train_args, env, output=output))
+    return subprocess.Popen([sys.executable, str(script), *train_args], env=env,
+                            start_new_session=True, stdout=output,
+                            stderr=None if output is None else subprocess.STDOUT)
+
+
 def _code(returncode: int) -> int:
     return 128 - returncode if returncode < 0 else returncode  # -9 -> 137, like a shell
 
 
-def _signal_group(proc: subprocess.Popen, sig: int) -> None:
+def _signal_group(proc: subprocess.Popen | ForkedRank, sig: int) -> None:
     try:
         os.killpg(proc.pid, sig)  # the rank's session: the rank and what it started
     except ProcessLookupError:
@@ -232,7 +265,7 @@ def _left_in(groups: set[int]) -> list[int]:
     return left
 
 
-def _reap(procs: list[subprocess.Popen]) -> None:
+def _reap(procs: list[subprocess.Popen | ForkedRank]) -> None:
     """Kill what the ranks left behind and wait until it is gone (a rank killed mid-save
     orphans the Manager process of megatron's async writer)."""
     groups = {p.pid for p in procs}
@@ -260,13 +293,13 @@ def _rank_output(log_dir: Path | None, attempt: int, rank: int) -> int | None:
 
 def launch(nproc: int, train_args: list[str], attempt: int, same_device: bool,
            grace_s: float, stop: StopSignals, script: Path = TRAIN,
-           log_dir: Path | None = None) -> Attempt:
+           log_dir: Path | None = None, fork: bool = False) -> Attempt:
     """Start one process per rank and wait until none is left; a failing rank or a stop
     signal takes the others down (the signal, SIGTERM after a failure; SIGKILL after
     ``grace_s``)."""
     port = free_port()
     start = time.monotonic()
-    procs: list[subprocess.Popen] = []
+    procs: list[subprocess.Popen | ForkedRank] = []
     for rank in range(nproc):
         if stop.first is not None:
             break
@@ -275,16 +308,13 @@ def launch(nproc: int, train_args: list[str], attempt: int, same_device: bool,
         env.setdefault("OMP_NUM_THREADS", "1")
         if not same_device:
             env["MCF_CPU_DEVICE_INDEX"] = str(attempt - 1)
-        # Own session per rank, so the job's leftovers can be cleaned up (_reap).
         output = _rank_output(log_dir, attempt, rank)
         try:
-            procs.append(subprocess.Popen([sys.executable, str(script), *train_args], env=env,
-                                          start_new_session=True, stdout=output,
-                                          stderr=None if output is None else subprocess.STDOUT))
+            procs.append(_start_rank(script, train_args, env, output, fork))
         finally:
             if output is not None:
                 os.close(output)
-    ended: list[subprocess.Popen] = []  # in the order the ranks ended
+    ended: list[subprocess.Popen | ForkedRank] = []  # in the order the ranks ended
     plan: list[tuple[float, int]] = []  # signals still to send to running ranks: (when, sig)
     handled = 0  # stop signals acted on
     failure_seen = False
@@ -343,6 +373,10 @@ def main(argv: list[str] | None = None) -> int:
                    help="the training script the ranks run (default: scripts/train.py)")
     p.add_argument("--log-dir", type=Path, default=None,
                    help="write each rank's output to LOG_DIR/attempt_N/rank_K.log")
+    p.add_argument("--fork-ranks", action="store_true",
+                   help="start each rank as a fork of the runner (for a runner forked from a "
+                        "process that imported the training's modules) instead of a new "
+                        "interpreter")
     args = p.parse_args(ours)
 
     stop = StopSignals()
@@ -359,7 +393,8 @@ def main(argv: list[str] | None = None) -> int:
             number = len(attempts) + 1
             log(f"attempt {number}: launching {args.nproc_per_node} ranks")
             result = launch(args.nproc_per_node, train_args, number, args.same_device,
-                            args.grace_seconds, stop, args.script, args.log_dir)
+                            args.grace_seconds, stop, args.script, args.log_dir,
+                            args.fork_ranks)
             attempts.append(result)
             if result.stopped_by is not None:
                 log(f"attempt {number}: stopped by {result.stopped_by}; ranks "
