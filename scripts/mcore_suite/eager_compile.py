@@ -20,6 +20,15 @@ def dynamo_disabled() -> bool:
     return os.environ.get(DISABLED_ENV) == "1"
 
 
+def install() -> None:
+    """Put :func:`eager_compile` in ``torch.compile``'s place where dynamo is disabled (before
+    megatron-core is imported: it decorates at import)."""
+    if dynamo_disabled():
+        import torch
+
+        torch.compile = eager_compile
+
+
 def eager_compile(model: Any = None, **_options: Any) -> Any:
     """``torch.compile(fn, ...)`` -> ``fn``; ``torch.compile(**options)`` -> a decorator
     returning its function."""

@@ -11,9 +11,8 @@ The ranks get the CPU platform (``rank_env/``) and, with ``fixes=True``, the zer
 activation ``MEGATRON_CKPT_FIXES=1``; without it they run plain upstream.
 
 The runner and its ranks are forks of a preloaded launcher (``scripts/zygote.py``) that
-imported torch and transformers (:data:`PRELOAD`: what ``pretrain_gpt.py`` imports that
-neither the platform nor the fixes touch; each rank opens the platform, arms the switch and
-imports Megatron-LM and megatron-core itself, as a new interpreter would).
+imported torch, transformers and megatron-core (:data:`PRELOAD`); each rank arms the fixes'
+switch, opens the platform and imports Megatron-LM's training package itself.
 """
 
 from __future__ import annotations
@@ -42,9 +41,13 @@ MAX_RESTARTS = 3
 #: torch.compile'd fusions run eagerly (``TORCHDYNAMO_DISABLE``): on CPU inductor would
 #: build C++ for every rank, minutes of compiling for kernels that exist for GPUs.
 RANK_ENVIRONMENT = {"OMP_NUM_THREADS": "1", "TORCHDYNAMO_DISABLE": "1"}
-#: What the launcher imports for the ranks (about 4 of a rank's 7.5 s of imports).
-PRELOAD = ["torch", "numpy", "torch.distributed.tensor", "torch.distributed.checkpoint",
-           "transformers"]
+#: What the launcher imports for the ranks (about 6 of a rank's 7.5 s of imports): the
+#: platform's module (importable once ``sitecustomize`` put its folder on the path) and,
+#: with dynamo disabled, ``torch.compile`` as the identity (:mod:`eager_compile`), before
+#: megatron-core decorates its fusions; then what ``pretrain_gpt.py`` imports from torch,
+#: transformers and megatron-core. The fixes and the platform are put in by each rank.
+PRELOAD = ["training_platform", "eager_compile:install", "numpy", "transformers",
+           "megatron.core", "megatron.core.models.gpt", "megatron.core.tokenizers"]
 
 
 @dataclass

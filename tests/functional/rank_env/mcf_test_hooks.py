@@ -99,8 +99,7 @@ def _kill_in(execute: Any, iteration: int) -> Any:
 
 def install() -> None:
     """Patch the requested hooks into the training package (called at interpreter start)."""
-    if eager_compile.dynamo_disabled():
-        torch.compile = eager_compile.eager_compile
+    eager_compile.install()
     kill, dump = os.environ.get(KILL_DURING_SAVE_ENV), os.environ.get(DUMP_STATE_ENV)
     if kill is None and dump is None:
         return
