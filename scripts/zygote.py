@@ -110,10 +110,16 @@ def for_environment(env: dict[str, str], preload: list[str]) -> Zygote:
 
 
 def _preload(entries: list[str]) -> None:
-    """Import each ``module``; ``module:function`` also calls ``function()``."""
+    """Import each ``module``; ``module:function`` also calls ``function()``. A module that
+    does not import here (not installed; or it needs what a rank sets up first) is left to
+    the ranks, as multiprocessing's forkserver leaves it."""
     for entry in entries:
         module, _, function = entry.partition(":")
-        imported = importlib.import_module(module)
+        try:
+            imported = importlib.import_module(module)
+        except ImportError as exc:
+            print(f"zygote: not preloading {module}: {exc}", file=sys.stderr, flush=True)
+            continue
         if function:
             getattr(imported, function)()
 
