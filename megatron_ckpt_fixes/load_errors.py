@@ -8,7 +8,8 @@ every rank raises the same :class:`CheckpointLoadError`, one line per failing ra
 the cause (which names the key). A checkpoint that a newer megatron-core wrote, in a format
 this one cannot read, is one line instead, the same on every rank: what happened and what is
 missing (:mod:`.newer_checkpoint`); so is ``load_common_state_dict`` on such a checkpoint,
-which training flows call first.
+which training flows call first. A template whose dtype would round saved values is refused
+the same way, before any tensor data is read (:mod:`.load_casts`).
 
 The raised error keeps the class upstream raised: it is built as a subclass of both
 :class:`CheckpointLoadError` and the class the (lowest) failing rank saw, so
@@ -26,8 +27,9 @@ from typing import Any, Callable
 
 from torch.distributed.checkpoint import CheckpointException
 
+from . import load_casts
 from ._patching import Patch
-from .agreement import agree, rank_and_size
+from .agreement import agree, check, rank_and_size
 from .errors import MegatronCkptFixesError
 from .messages import shorten
 from .newer_checkpoint import PREFIX as NEWER_WRITER
@@ -157,10 +159,36 @@ def _release_failed_load(exc: BaseException) -> None:
                     for f in (getattr(error, "failures", None) or {}).values()]
 
 
+def _lossy_cast(sharded_state_dict: Any, checkpoint_dir: Any) -> str | None:
+    """This rank's cause for refusing a load that would round saved values (:mod:`.load_casts`);
+    None also when the checkpoint's metadata cannot be read (the load itself says why)."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    try:
+        saved = load_casts.saved_dtypes(checkpoint_dir)
+    except Exception:  # noqa: BLE001 - reported by the load that follows
+        return None
+    tensors = [v for v in nested_values(sharded_state_dict) if isinstance(v, ShardedTensor)]
+    return load_casts.lossy_cast_error(load_casts.casts(tensors, saved))
+
+
+def _refuse_casts(checkpoint_dir: Any, cause: str | None) -> None:
+    """Every rank raises the same error if any rank's template would round saved values,
+    before any rank reads tensor data (collective)."""
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+
+    def raise_as(_what: str, causes: dict[int, str]) -> BaseException:
+        return load_error_type(CheckpointingException)(checkpoint_dir, causes, {})
+
+    check(cause, f"loading {checkpoint_dir}", raise_as=raise_as)
+
+
 def clear_load_errors(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def load(sharded_state_dict: Any, checkpoint_dir: Any, *args: Any, **kwargs: Any) -> Any:
         rank = rank_and_size()[0]
+        _refuse_casts(checkpoint_dir, _lossy_cast(sharded_state_dict, checkpoint_dir))
         report: tuple[str, dict[int, str]] | None = None
         failures: dict[int, Any] = {}
         result = None
@@ -205,16 +233,22 @@ def clear_newer_writer(original: Callable[..., Any]) -> Callable[..., Any]:
     return load_common_state_dict
 
 
-def _entry_point(attr: str, build: Callable[[Any], Any], why: str) -> Patch:
+def _entry_point(attr: str, build: Callable[[Any], Any], why: str,
+                 reads: tuple[str, ...] = ()) -> Patch:
     """A patch of one of ``dist_checkpointing``'s entry points (re-exported by the package)."""
     return Patch(name=f"load_errors.{attr}",
                  target="megatron.core.dist_checkpointing.serialization", attr=attr,
-                 build=build, aliases=("megatron.core.dist_checkpointing",), why=why)
+                 build=build, aliases=("megatron.core.dist_checkpointing",), why=why,
+                 reads=reads)
 
 
 PATCHES: tuple[Patch, ...] = (
     _entry_point("load", clear_load_errors,
-                 "a failed load names the key, the rank and the cause, the same on every rank"),
+                 "a failed load names the key, the rank and the cause, the same on every "
+                 "rank; a template that would round saved values is refused",
+                 reads=("megatron.core.dist_checkpointing.dict_utils:nested_values",
+                        "megatron.core.dist_checkpointing.mapping:ShardedTensor",
+                        "megatron.core.dist_checkpointing.core:CheckpointingException")),
     _entry_point("load_common_state_dict", clear_newer_writer,
                  "reading the common state of a checkpoint a newer megatron-core wrote says so "
                  "in one line (the training flow reads it before the load)"),
