@@ -2,7 +2,7 @@
 
 A launcher that imported a training job's modules once can fork its processes instead of
 starting new interpreters (``run_with_restarts.py --fork-ranks``; the tests' preloaded
-launcher, ``tests/functional/zygote.py``): each process skips the seconds of importing torch
+launcher, ``zygote.py``): each process skips the seconds of importing torch
 and megatron-core. The fork is still a process of its own, in its own session, with its own
 environment and exit status; what a new interpreter would do with that environment is done
 here, in order:

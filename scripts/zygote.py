@@ -30,13 +30,13 @@ import sys
 import time
 from pathlib import Path
 
+import forked_start
+
 HERE = Path(__file__).resolve().parent
 #: How long a runner has to end after SIGTERM on a timeout (it stops and reaps its ranks).
 STOP_GRACE_S = 120
 
 
-#: The switch a job's ranks arm themselves (``forked_start``): never the launcher's.
-ACTIVATION_ENV = "MEGATRON_CKPT_FIXES"
 
 
 def startup_variables(env: dict[str, str]) -> tuple[tuple[str, str], ...]:
@@ -104,8 +104,9 @@ def for_environment(env: dict[str, str], preload: list[str]) -> Zygote:
     """The launcher (started on first use) whose start-up variables are ``env``'s."""
     key = (startup_variables(env), tuple(preload))
     if key not in _launchers:
-        _launchers[key] = Zygote({k: v for k, v in env.items() if k != ACTIVATION_ENV},
-                                 preload)
+        # the activation switch is the job's: its ranks arm it themselves (forked_start)
+        _launchers[key] = Zygote({k: v for k, v in env.items()
+                                  if k != forked_start.ACTIVATION_ENV}, preload)
     return _launchers[key]
 
 
@@ -125,8 +126,6 @@ def _preload(entries: list[str]) -> None:
 
 
 def serve(preload: list[str]) -> None:
-    import forked_start
-
     _preload(preload)
     for line in sys.stdin:
         request = json.loads(line)
