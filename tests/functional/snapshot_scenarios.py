@@ -278,9 +278,28 @@ def _records(path: str, rank: int) -> dict[str, int]:
     return counts
 
 
-def nvrx_worker(rank: int, ws: int, root: str, mode: str) -> dict[str, Any]:
+def _nvrx_platform(nvrx: str, env_dir: str) -> None:
+    """nvidia-resiliency-ext importable here and in the worker it spawns, and the CPU
+    platform open in both: here now, in the worker at its start-up (``env_dir``'s
+    ``sitecustomize``, on the ``PYTHONPATH`` it inherits). Set in the rank, so that the rank
+    itself forks from the fork server instead of being spawned for a changed start-up."""
+    import sys
+    from pathlib import Path
+
+    sys.path[:0] = [nvrx, str(Path(__file__).resolve().parents[2] / "scripts" / "mcore_suite")]
+    os.environ["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [nvrx, env_dir, os.environ.get("PYTHONPATH")]))
+    os.environ["MCF_NVRX_CPU"] = "1"
+    import cpu_platform
+
+    cpu_platform.CpuPlatform().open()
+
+
+def nvrx_worker(rank: int, ws: int, root: str, mode: str, nvrx: str,
+                env_dir: str) -> dict[str, Any]:
     """nvidia-resiliency-ext's persistent worker (``--async-strategy nvrx``, its default),
     tensors changed right after scheduling, with ``mode``'s features."""
+    _nvrx_platform(nvrx, env_dir)
     from nvidia_resiliency_ext.checkpointing.async_ckpt.core import AsyncCallsQueue
 
     installed = _install(mode)

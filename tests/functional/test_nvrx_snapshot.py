@@ -3,15 +3,15 @@ default) is a snapshot with the fixes, and torn without them (issue 22, item 1).
 
 Needs nvidia-resiliency-ext unpacked by ``bash scripts/install_nvrx_cpu.sh`` (pip cannot
 install it on glibc < 2.39) and megatron-core >= 0.19 (0.16 has no ``async_strategy``); the
-test's processes get it on their path and the suite's CPU platform (tests/functional/nvrx_env:
-its writer and worker call ``torch.cuda``). Upstream twin: its persistent worker writes the
+test's ranks put it on their path and open the suite's CPU platform, and pass both to the
+worker nvidia-resiliency-ext spawns (tests/functional/nvrx_env: its writer and worker call
+``torch.cuda``). Upstream twin: its persistent worker writes the
 next step's values into every tensor and moves the trainer's tensors into shared memory.
 """
 
 from __future__ import annotations
 
 import inspect
-import os
 from pathlib import Path
 
 import pytest
@@ -36,25 +36,23 @@ pytestmark = [
 ]
 
 
-def _run(tmp_path, monkeypatch, mode: str) -> list:
+def _run(tmp_path, mode: str) -> list:
     require("nvrx")  # only where megatron-core can use it (pytestmark)
-    path = os.pathsep.join(filter(None, [str(NVRX), str(ENV), os.environ.get("PYTHONPATH")]))
-    monkeypatch.setenv("PYTHONPATH", path)
-    monkeypatch.setenv("MCF_NVRX_CPU", "1")
     return [r.value["nvrx-persistent-scheduled"]
-            for r in run_ranks(nvrx_worker, 2, str(tmp_path), mode, timeout_s=500)]
+            for r in run_ranks(nvrx_worker, 2, str(tmp_path), mode, str(NVRX), str(ENV),
+                               timeout_s=500)]
 
 
-def test_nvrx_persistent_save_upstream_writes_the_next_steps_values(tmp_path, monkeypatch):
+def test_nvrx_persistent_save_upstream_writes_the_next_steps_values(tmp_path):
     """Every rank's tensors were moved into shared memory, where the worker reads the next
     step's values; whether a rank's writer reads after the change (torn) is a race nothing
     gates here, which a loaded machine can decide the other way on one rank (seen under -n):
     torn on at least one rank."""
-    outcomes = _run(tmp_path, monkeypatch, "upstream")
+    outcomes = _run(tmp_path, "upstream")
     assert all(o.trainer_shared == 8 for o in outcomes), outcomes
     assert any(o.torn > 0 for o in outcomes), outcomes
 
 
-def test_nvrx_persistent_save_is_a_snapshot_with_the_fixes(tmp_path, monkeypatch):
-    for rank, outcome in enumerate(_run(tmp_path, monkeypatch, "fixed")):
+def test_nvrx_persistent_save_is_a_snapshot_with_the_fixes(tmp_path):
+    for rank, outcome in enumerate(_run(tmp_path, "fixed")):
         assert outcome.torn == 0 and outcome.trainer_shared == 0, (rank, outcome)

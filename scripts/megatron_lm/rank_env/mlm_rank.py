@@ -14,21 +14,25 @@
   by the ranks that hold the losses: the last pipeline stage).
 - At exit, each process writes the CUDA call sites it mapped to
   ``MCF_MLM_SITES_DIR/cuda_sites-<role>-<pid>.json``.
-- In the ranks, the server of megatron-core's write-results queue (a spawned Manager) starts
-  without running the rank's script as ``__mp_main__`` (:func:`_managers_without_main`).
+- In the ranks, the interpreters multiprocessing spawns (megatron-core's write-results
+  Manager, its persistent checkpoint worker) start without running the rank's script as
+  ``__mp_main__`` (:func:`_spawns_without_main`).
 - With ``MCF_MLM_CKPT_WRITE_DELAY_S``, megatron-core's checkpoint workers wait that long
-  before writing each item (torch's ``_write_item`` as ``filesystem_async`` calls it): a
-  writer as slow as a large model's, on a tiny CPU model, so the next training steps land
-  while an asynchronous save is still being written.
+  before writing each item (torch's ``_write_item`` as ``filesystem_async`` calls it) into
+  the checkpoint of iteration ``MCF_MLM_CKPT_SLOW_ITERATION`` (every checkpoint when unset):
+  a writer as slow as a large model's, on a tiny CPU model, so the next training steps land
+  while that asynchronous save is still being written.
 
 Environment: ``MCF_MLM_TREE`` (the Megatron-LM training tree; its presence switches all of
-this on), ``MCF_MLM_LOSS_LOG``, ``MCF_MLM_SITES_DIR``, ``MCF_MLM_CKPT_WRITE_DELAY_S``.
+this on), ``MCF_MLM_LOSS_LOG``, ``MCF_MLM_SITES_DIR``, ``MCF_MLM_CKPT_WRITE_DELAY_S``,
+``MCF_MLM_CKPT_SLOW_ITERATION``.
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
+import inspect
 import json
 import os
 import sys
@@ -40,6 +44,7 @@ TREE_ENV = "MCF_MLM_TREE"
 LOSS_LOG_ENV = "MCF_MLM_LOSS_LOG"
 SITES_DIR_ENV = "MCF_MLM_SITES_DIR"
 WRITE_DELAY_ENV = "MCF_MLM_CKPT_WRITE_DELAY_S"
+SLOW_ITERATION_ENV = "MCF_MLM_CKPT_SLOW_ITERATION"
 #: The module whose ``_write_item`` the delay slows down (in the checkpoint workers).
 WRITER_MODULE = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 #: The module whose ``training_log`` is wrapped.
@@ -98,14 +103,26 @@ def _record_losses(module: ModuleType) -> None:
     module.training_log = _recording(module.training_log, Path(os.environ[LOSS_LOG_ENV]))
 
 
+def _slowed(stream: Any) -> bool:
+    """Whether a write into ``stream`` (an open checkpoint file) is slowed: every one, or
+    those into the checkpoint directory of ``MCF_MLM_CKPT_SLOW_ITERATION`` (Megatron-LM's
+    ``iter_NNNNNNN``), so that the other saves of a run cost no waiting."""
+    iteration = os.environ.get(SLOW_ITERATION_ENV)
+    if not iteration:
+        return True
+    return f"iter_{int(iteration):07d}" in Path(getattr(stream, "name", "")).parts
+
+
 def _slow_writes(module: ModuleType) -> None:
     import time
 
     delay, write_item = float(os.environ[WRITE_DELAY_ENV]), module._write_item
+    signature = inspect.signature(write_item)
 
     @functools.wraps(write_item)  # the writer reads its signature
     def slow_write_item(*args: Any, **kwargs: Any) -> Any:
-        time.sleep(delay)
+        if _slowed(signature.bind(*args, **kwargs).arguments["stream"]):
+            time.sleep(delay)
         return write_item(*args, **kwargs)
 
     module._write_item = slow_write_item
@@ -122,27 +139,18 @@ def _plain(get_preparation_data: Callable[..., dict]) -> Callable[..., dict]:
     return call
 
 
-def _managers_without_main(start_manager: Callable[..., Any]) -> Callable[..., Any]:
-    """``BaseManager.start`` whose server process does not run the rank's main script.
+def _spawns_without_main() -> None:
+    """The interpreters a rank spawns do not run the rank's main script.
 
     A spawned child first runs its parent's ``__main__`` as ``__mp_main__``, so that the
     functions it is sent can be found: for ``pretrain_gpt.py`` that is every import of the
-    training package, 8-10 s of CPU. The server of megatron-core's write-results queue
-    (``ctx.Manager().Queue()``, a Manager per rank and save process) only passes torch's
-    write results along and never looks in ``__main__``; it starts without it."""
+    training package, 8-10 s of CPU. What a rank spawns (megatron-core's write-results
+    Manager, a Manager per save process, and its persistent checkpoint worker) runs and
+    receives megatron-core's and torch's functions only, never one of ``__main__``: a
+    function that did live there would fail to unpickle, loudly."""
+    import multiprocessing.spawn as spawn
 
-    @functools.wraps(start_manager)
-    def call(*args: Any, **kwargs: Any) -> Any:
-        import multiprocessing.spawn as spawn
-
-        prepare = spawn.get_preparation_data
-        spawn.get_preparation_data = _plain(prepare)
-        try:
-            return start_manager(*args, **kwargs)
-        finally:
-            spawn.get_preparation_data = prepare
-
-    return call
+    spawn.get_preparation_data = _plain(spawn.get_preparation_data)
 
 
 def start() -> None:
@@ -161,8 +169,6 @@ def start() -> None:
     if not spawned and os.environ.get(LOSS_LOG_ENV):
         after_import(TRAINING_MODULE, _record_losses)
     if not spawned:
-        import multiprocessing.managers as managers
-
-        managers.BaseManager.start = _managers_without_main(managers.BaseManager.start)
+        _spawns_without_main()
     if spawned and os.environ.get(WRITE_DELAY_ENV):
         after_import(WRITER_MODULE, _slow_writes)
