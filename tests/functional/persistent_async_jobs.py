@@ -5,6 +5,7 @@ from __future__ import annotations
 import inspect
 import os
 import shutil
+import sys
 import tempfile
 import threading
 import time
@@ -14,11 +15,14 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-#: How long a trainer may still be waiting after its worker died before we call it a hang.
-GRACE_S = 10.0
-#: How long to wait for the worker at all: a dying worker ends the wait at once, so this only
-#: bounds a real hang; a loaded machine took over 150 s to spawn and import one (CI, once).
+#: How long to wait for a save at all: no verdict depends on it, it only bounds a real hang
+#: (a loaded machine took over 150 s to spawn and import a worker, in CI once).
 DEADLINE_S = 420.0
+#: Where upstream's trainer waits for its persistent worker (megatron-core's
+#: ``PersistentAsyncCaller``): for the staging (``preload_q.join()``) and for the report
+#: (a ``comp_q.get_nowait()`` poll). Neither looks at the worker's life: once it is dead, a
+#: trainer in one of them waits forever.
+UPSTREAM_WAITS = ("schedule_async_call", "is_current_async_call_done")
 
 
 def worker_dies(*_args: Any, **_kwargs: Any) -> None:
@@ -69,9 +73,23 @@ def _flipped_verdict(rank: int, path: str) -> tuple[str, str] | None:
     return None
 
 
-def _in_thread(fn: Callable[[], Any], worker: Callable[[], Any]) -> dict:
-    """Run ``fn`` (schedule + blocking finalize) in a thread; report how it ended, and
-    whether it was still waiting ``GRACE_S`` after this rank's worker died."""
+def _in_upstream_wait(thread: threading.Thread) -> bool:
+    """Whether ``thread`` is inside megatron-core's persistent caller, in a wait only its
+    worker could end."""
+    frame = sys._current_frames().get(thread.ident)
+    while frame is not None:
+        if frame.f_code.co_name in UPSTREAM_WAITS and \
+                frame.f_code.co_filename.endswith(os.path.join("strategies", "async_utils.py")):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def _in_thread(fn: Callable[[], Any], worker: Callable[[], Any], upstream: bool) -> dict:
+    """Run ``fn`` (schedule + blocking finalize) in a thread; report how it ended, or that
+    it waits for good: ``upstream`` (no fix installed), its worker dead and the thread in
+    one of :data:`UPSTREAM_WAITS`, which nothing but that worker can end. With the fixes
+    there is no such rule: the save must end (a hang shows at :data:`DEADLINE_S`)."""
     out: dict = {}
 
     def run() -> None:
@@ -86,10 +104,10 @@ def _in_thread(fn: Callable[[], Any], worker: Callable[[], Any]) -> dict:
     deadline = time.monotonic() + DEADLINE_S
     while thread.is_alive() and time.monotonic() < deadline:
         process = worker()
-        if process is not None and not process.is_alive():
-            thread.join(GRACE_S)
+        if upstream and process is not None and not process.is_alive() \
+                and _in_upstream_wait(thread):
             break
-        thread.join(0.5)
+        thread.join(0.2)
     process = worker()
     out["waiting"] = thread.is_alive()
     out["worker_exit"] = None if process is None or process.is_alive() else process.exitcode
@@ -139,9 +157,10 @@ def persistent_save_worker(rank: int, ws: int, subset: str, kill_rank: int | Non
                     _flipped_verdict(rank, path) if subset == "all" else None)
         return go
 
-    results = {"first": _in_thread(save(0, False), worker)}
+    upstream = subset != "all"
+    results = {"first": _in_thread(save(0, False), worker, upstream)}
     if kill_rank is not None and not results["first"]["waiting"]:
-        results["killed"] = _in_thread(save(1, rank == kill_rank), worker)
+        results["killed"] = _in_thread(save(1, rank == kill_rank), worker, upstream)
     process = worker()
     if process is not None and process.is_alive() and any(r["waiting"] for r in results.values()):
         process.kill()  # a stuck trainer would leave its worker behind

@@ -24,8 +24,8 @@ dead writer could end (multiprocessing's ``JoinableQueue.join``/``Queue.get`` in
 megatron-core's ``write_preloaded_data_multiproc``) for ``STUCK_S``. Rank 1 then leaves a marker, and every rank reports ``waiting`` with the
 functions it waits in. Otherwise each rank reports how its save ended: ``ok`` (the save
 reported success), or ``error`` (class names and message); ``metadata``: whether
-``.metadata`` was written; ``orphans``: writers of a killed process still alive
-``DEATH_GRACE_S`` after it.
+``.metadata`` was written; ``orphans``: writers of a killed process that outlive it (neither
+dead nor dying once it is dead: :func:`_outliving`).
 
 A case that leaves its ranks waiting breaks their process group: it must be a run's last.
 """
@@ -52,10 +52,8 @@ DEADLINE_S = 120.0
 STUCK_S = 3.0
 #: Seconds to let the writers reach the named pipe (and the other writer finish).
 SETTLE_S = 1.0
-#: Seconds the writers of a killed process get to die: the kernel sends its death signal at
-#: once, but on a loaded machine a signalled process may wait to be scheduled (and a helper it
-#: started, such as multiprocessing's resource tracker, exits when its pipe closes).
-DEATH_GRACE_S = 10.0
+#: ``PF_EXITING`` in ``/proc/<pid>/stat``'s flags: the process is in its exit.
+_PF_EXITING = 0x4
 #: The rank whose writer fails; writers (bucket files) per rank.
 FAILING_RANK = 1
 WRITERS = 2
@@ -144,16 +142,35 @@ def _alive(process: psutil.Process) -> bool:
         return False
 
 
-def _alive_after(processes: list[psutil.Process], grace_s: float) -> list[str]:
-    """The command lines of ``processes`` still alive after at most ``grace_s`` seconds."""
-    deadline = time.monotonic() + grace_s
-    while True:
-        alive = [p for p in processes if _alive(p)]
-        if not alive or time.monotonic() >= deadline:
-            break
-        time.sleep(0.1)
+def _dying(process: psutil.Process) -> bool:
+    """Dead, in its exit, or with a SIGKILL pending (delivered when it next runs, which a
+    loaded machine may delay): it will not outlive the moment."""
+    try:
+        with open(f"/proc/{process.pid}/stat") as f:
+            flags = int(f.read().rsplit(")", 1)[1].split()[6])
+        with open(f"/proc/{process.pid}/status") as f:
+            pending = [int(line.split()[1], 16) for line in f
+                       if line.startswith(("SigPnd:", "ShdPnd:"))]
+    except (FileNotFoundError, ProcessLookupError):
+        return True
+    return not _alive(process) or bool(flags & _PF_EXITING) or \
+        any(mask & (1 << (signal.SIGKILL - 1)) for mask in pending)
+
+
+def _outliving(victims: list[psutil.Process], processes: list[psutil.Process]) -> list[str]:
+    """The command lines of ``processes`` (the victims' writers) that outlive the victims.
+
+    Once a victim has exited, the kernel has already sent its children their parent-death
+    signal (``PR_SET_PDEATHSIG``, which the fixes' writers ask for): each is then dead or
+    dying, or nothing will ever end it. An order of events, not a grace period: it waits
+    for the victims' exit only (a hang shows at :data:`DEADLINE_S`)."""
+    deadline = time.monotonic() + DEADLINE_S
+    while any(_alive(v) for v in victims) and time.monotonic() < deadline:
+        time.sleep(0.05)
     names = []
-    for process in alive:
+    for process in processes:
+        if _dying(process):
+            continue
         try:
             names.append(" ".join(process.cmdline())[:200])
         except psutil.Error:
@@ -240,7 +257,7 @@ def _save_in_thread(case: Case, directory: str, rank: int, ws: int, queue: Any,
 
 
 def _kill_victims(case: Case, queue: Any, thread: threading.Thread,
-                  orphans: list[psutil.Process]) -> list[int]:
+                  orphans: list[psutil.Process]) -> list[psutil.Process]:
     """SIGKILL the case's victims once they are blocked on the named pipe."""
     deadline = time.monotonic() + DEADLINE_S
     while thread.is_alive() and time.monotonic() < deadline:
@@ -250,7 +267,7 @@ def _kill_victims(case: Case, queue: Any, thread: threading.Thread,
             for process in victims:
                 orphans += process.children(recursive=True)  # upstream leaves them
                 process.send_signal(signal.SIGKILL)
-            return [p.pid for p in victims]
+            return victims
     return []
 
 
@@ -277,16 +294,18 @@ def run_case(rank: int, ws: int, case: Case, root: str) -> dict:
     saved: dict = {}  # the save thread's own outcome
     out: dict = {}
     orphans: list[psutil.Process] = []
+    victims: list[psutil.Process] = []
     started = time.monotonic()
     thread = _save_in_thread(case, directory, rank, ws, queue, saved)
     if case.failure == "killed" and rank == FAILING_RANK:
-        out["killed"] = _kill_victims(case, queue, thread, orphans)
+        victims = _kill_victims(case, queue, thread, orphans)
+        out["killed"] = [v.pid for v in victims]
     _until_every_rank_ended_or_stuck(rank, ws, thread, os.path.join(root, case.name), saved, out)
     out["seconds"] = round(time.monotonic() - started, 1)
     out["metadata"] = os.path.exists(os.path.join(directory, ".metadata"))
     if queue is not None and out["outcome"] != "waiting":
         queue.close(abort=out["outcome"] == "error")
-    out["orphans"] = _alive_after(orphans, DEATH_GRACE_S)  # the killed writer's own writers
+    out["orphans"] = _outliving(victims, orphans)  # the killed writer's own writers
     # stuck writers, megatron-core's results manager: not past the test
     for process in [*orphans, *(psutil.Process().children(recursive=True)
                                 if out["outcome"] == "waiting" else [])]:
