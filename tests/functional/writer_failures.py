@@ -19,9 +19,10 @@ bucket files) through one of megatron-core's save paths and makes a writer fail 
   mount namespace).
 
 The save (and its finalize) runs in a thread of the rank. A save that cannot end is told
-from a slow one by where it waits: rank 1's save thread sitting in a wait that only its
-dead writer could end (multiprocessing's ``JoinableQueue.join``/``Queue.get`` inside
-megatron-core's ``write_preloaded_data_multiproc``) for ``STUCK_S``. Rank 1 then leaves a marker, and every rank reports ``waiting`` with the
+from a slow one by where it waits, once its writer is dead: rank 1's save thread in a wait
+that only that writer could end (multiprocessing's ``JoinableQueue.join``/``Queue.get``
+called by megatron-core's ``write_preloaded_data_multiproc`` itself, with no watcher of the
+fixes between). Rank 1 then leaves a marker, and every rank reports ``waiting`` with the
 functions it waits in. Otherwise each rank reports how its save ended: ``ok`` (the save
 reported success), or ``error`` (class names and message); ``metadata``: whether
 ``.metadata`` was written; ``orphans``: writers of a killed process that outlive it (neither
@@ -48,8 +49,6 @@ import torch.distributed as dist
 
 #: Seconds a save may take at most, on a loaded machine (a hang that no stack shows).
 DEADLINE_S = 120.0
-#: Seconds rank 1's save must sit in a wait only its dead writer could end.
-STUCK_S = 3.0
 #: Seconds to let the writers reach the named pipe (and the other writer finish).
 SETTLE_S = 1.0
 #: ``PF_EXITING`` in ``/proc/<pid>/stat``'s flags: the process is in its exit.
@@ -222,13 +221,15 @@ def _waits(thread: threading.Thread) -> list[str]:
 
 def _in_writer_wait(waits: list[str]) -> bool:
     """Whether the innermost frames are megatron-core's writer collection waiting on its
-    writers' queues."""
+    writers' queues itself: no frame of the fixes between (their watcher waits in short
+    polls that check the writers, and raises once one is dead)."""
     names = [w.split(" (")[0] for w in waits]
     if "write_preloaded_data_multiproc" not in names:
         return False
     inner = waits[:names.index("write_preloaded_data_multiproc")]
-    return any(w.startswith(f"{fn} (") and w.endswith(f"{tail})")
-               for w in inner for fn, tail in _WRITER_WAITS)
+    return not any("megatron_ckpt_fixes" in w for w in inner) and \
+        any(w.startswith(f"{fn} (") and w.endswith(f"{tail})")
+            for w in inner for fn, tail in _WRITER_WAITS)
 
 
 def _save_in_thread(case: Case, directory: str, rank: int, ws: int, queue: Any,
@@ -300,7 +301,8 @@ def run_case(rank: int, ws: int, case: Case, root: str) -> dict:
     if case.failure == "killed" and rank == FAILING_RANK:
         victims = _kill_victims(case, queue, thread, orphans)
         out["killed"] = [v.pid for v in victims]
-    _until_every_rank_ended_or_stuck(rank, ws, thread, os.path.join(root, case.name), saved, out)
+    _until_every_rank_ended_or_stuck(rank, ws, thread, os.path.join(root, case.name), saved, out,
+                                     victims)
     out["seconds"] = round(time.monotonic() - started, 1)
     out["metadata"] = os.path.exists(os.path.join(directory, ".metadata"))
     if queue is not None and out["outcome"] != "waiting":
@@ -323,9 +325,11 @@ def _collectives_started() -> int:
 
 
 def _until_every_rank_ended_or_stuck(rank: int, ws: int, thread: threading.Thread,
-                                     prefix: str, saved: dict, out: dict) -> None:
-    """Wait for this rank's save to end, or to be stuck for good: waiting (``STUCK_S``) in
-    a writer wait after its writer failed, or in a collective that no other rank will join
+                                     prefix: str, saved: dict, out: dict,
+                                     victims: list[psutil.Process]) -> None:
+    """Wait for this rank's save to end, or to be stuck for good: in upstream's writer wait
+    (:func:`_in_writer_wait`) once the writers this rank killed (``victims``) are dead, or
+    in a collective that no other rank will join
     (every other rank ended, and this rank started more collectives than any of them: an
     exact rule, so a save thread that a loaded machine leaves unscheduled for seconds after
     the others ended is not taken for a stuck one). Each rank leaves a marker
@@ -335,7 +339,6 @@ def _until_every_rank_ended_or_stuck(rank: int, ws: int, thread: threading.Threa
     marker is written: ``saved`` (the save thread's outcome) is copied into ``out`` then, and
     a stuck save thread that fails later (its peer left the process group) changes nothing."""
     mine = f"{prefix}.{rank}"
-    since = None
     deadline = time.monotonic() + DEADLINE_S
     while time.monotonic() < deadline:
         thread.join(0.5)
@@ -344,10 +347,10 @@ def _until_every_rank_ended_or_stuck(rank: int, ws: int, thread: threading.Threa
             others = [_marker(f"{prefix}.{r}") for r in range(ws) if r != rank]
             alone = all(o is not None for o in others) and \
                 _collectives_started() > max(seq for _state, seq in others)
-            stuck = thread.is_alive() and (_in_writer_wait(waits) or
+            writers_dead = bool(victims) and not any(_alive(v) for v in victims)
+            stuck = thread.is_alive() and ((writers_dead and _in_writer_wait(waits)) or
                                            (alone and _in_collective(waits)))
-            since = (since or time.monotonic()) if stuck else None
-            if not thread.is_alive() or (since and time.monotonic() - since >= STUCK_S):
+            if not thread.is_alive() or stuck:
                 out.update(_verdict(thread, waits, saved))
                 _write_marker(mine, "waiting" if out["outcome"] == "waiting" else "ended")
         markers = [_marker(f"{prefix}.{r}") for r in range(ws)]
