@@ -74,11 +74,18 @@ def _death(process: Any) -> str:
             f"{process.exitcode} before finishing its save")
 
 
+def _ended(process: Any) -> bool:
+    """Whether ``process`` was started and has ended. Not ``not is_alive()``: upstream
+    assigns the worker's ``Process`` before it starts it (spawning takes a while on a loaded
+    machine), and a process not started yet is not alive either."""
+    return process is not None and process.exitcode is not None
+
+
 def _release_staging_if_worker_dies(caller: Any, done: threading.Event) -> None:
     """Watchdog: a worker that died before staging never calls ``task_done()``; do it."""
     while not done.wait(_POLL_S):
         process = caller.process
-        if process is not None and not process.is_alive():
+        if _ended(process):
             caller.__dict__[_DEAD_ATTR] = _death(process)
             try:
                 _queues(caller)[0].task_done()
@@ -111,7 +118,7 @@ def _wait_for_report_or_death(caller: Any, blocking: bool) -> str | None:
         return dead
     completion = _queues(caller)[1]
     while completion.empty():
-        if not process.is_alive():
+        if _ended(process):
             return _death(process)
         if not blocking:
             return None
