@@ -4,10 +4,9 @@ the resumed run equals the uninterrupted one bitwise with the fixes, and not ups
 CI's ``ckpt-resume`` flow of ``gpt3_mcore_tp1_pp2_resume_torch_dist`` (scripts/megatron_lm):
 the job trains to ``--train-iters`` saving asynchronously through megatron-core's persistent
 worker, then resumes from the middle checkpoint. The tiny CPU model's checkpoint is written in
-a blink, so the checkpoint workers are slowed (``MCF_MLM_CKPT_WRITE_DELAY_S``: a pause before
-each item, as a large model's writer takes) until the next training steps land before the
-write, as they do on a real model: in the middle checkpoint only, the one the resume reads
-(``MCF_MLM_CKPT_SLOW_ITERATION``), so the other saves cost no waiting. (The case trains with ``--fp16``: its first iterations
+a blink, so the checkpoint workers hold their writes into the middle checkpoint (the one the
+resume reads: ``MCF_MLM_CKPT_HELD_SAVE``) until the next optimizer step has landed on every
+rank, as a large model's writer is still writing then. (The case trains with ``--fp16``: its first iterations
 overflow and are skipped, so the resume starts from iteration 10, after they end; the runner
 resumes from the middle of ``--train-iters``.) Upstream the middle checkpoint then holds later steps'
 parameters and the resumed losses leave the uninterrupted run's; with the fixes (the
@@ -36,14 +35,12 @@ pytestmark = pytest.mark.timeout(900)
 CASE = "gpt3_mcore_tp1_pp2_resume_torch_dist"
 FLAGS = (("--async-save", True), ("--use-persistent-ckpt-worker", True),
          ("--save-interval", 10), ("--train-iters", 20))
-WRITE_DELAY_S = "0.2"
 #: The checkpoint the resume reads: the middle of ``--train-iters``.
-SLOW_ITERATION = "10"
+HELD_SAVE = "10"
 
 
 def _run(tmp_path: Path, monkeypatch, fixes: bool) -> CaseResult:
-    monkeypatch.setenv("MCF_MLM_CKPT_WRITE_DELAY_S", WRITE_DELAY_S)
-    monkeypatch.setenv("MCF_MLM_CKPT_SLOW_ITERATION", SLOW_ITERATION)
+    monkeypatch.setenv("MCF_MLM_CKPT_HELD_SAVE", HELD_SAVE)
     ref = upstream_snapshots.ref_for_installed()
     tree = upstream_snapshots.training_tree(ref)
     result = run_case(tree, ref, CASE, Mode(fixes, False, FLAGS), tmp_path, proof=False)

@@ -9,23 +9,24 @@
 - In the ranks, a record of every iteration's losses at full precision: Megatron-LM prints
   ``lm loss: 1.234567E+00`` (7 significant digits), too few to tell two runs apart bitwise.
   ``megatron.training.training.training_log`` (called once per iteration with that
-  iteration's reduced losses) is wrapped to append ``{"iteration", "lm loss", ...}`` with
-  each value as ``float.hex`` to ``MCF_MLM_LOSS_LOG`` (one JSON line per iteration, written
-  by the ranks that hold the losses: the last pipeline stage).
+  iteration's reduced losses) is wrapped to append ``{"iteration", "skipped", "lm loss",
+  ...}`` with each loss as ``float.hex`` to ``MCF_MLM_LOSS_LOG`` (one JSON line per
+  iteration, written by the ranks that hold the losses: the last pipeline stage;
+  ``skipped``: the step did not change the parameters, an fp16 overflow).
 - At exit, each process writes the CUDA call sites it mapped to
   ``MCF_MLM_SITES_DIR/cuda_sites-<role>-<pid>.json``.
 - In the ranks, the interpreters multiprocessing spawns (megatron-core's write-results
   Manager, its persistent checkpoint worker) start without running the rank's script as
   ``__mp_main__`` (:func:`_spawns_without_main`).
-- With ``MCF_MLM_CKPT_WRITE_DELAY_S``, megatron-core's checkpoint workers wait that long
-  before writing each item (torch's ``_write_item`` as ``filesystem_async`` calls it) into
-  the checkpoint of iteration ``MCF_MLM_CKPT_SLOW_ITERATION`` (every checkpoint when unset):
-  a writer as slow as a large model's, on a tiny CPU model, so the next training steps land
-  while that asynchronous save is still being written.
+- With ``MCF_MLM_CKPT_HELD_SAVE=N``, megatron-core's checkpoint workers hold every write
+  into the checkpoint of iteration ``N`` (torch's ``_write_item`` as ``filesystem_async``
+  calls it) until an optimizer step after the save has changed the parameters on every
+  rank (:func:`_step_landed`). On a tiny CPU model the writer would otherwise finish before
+  the next step; on a large model it is still writing. An order of events, not a pause: a
+  loaded machine cannot outrun it.
 
 Environment: ``MCF_MLM_TREE`` (the Megatron-LM training tree; its presence switches all of
-this on), ``MCF_MLM_LOSS_LOG``, ``MCF_MLM_SITES_DIR``, ``MCF_MLM_CKPT_WRITE_DELAY_S``,
-``MCF_MLM_CKPT_SLOW_ITERATION``.
+this on), ``MCF_MLM_LOSS_LOG``, ``MCF_MLM_SITES_DIR``, ``MCF_MLM_CKPT_HELD_SAVE``.
 """
 
 from __future__ import annotations
@@ -43,9 +44,10 @@ from typing import Any, Callable
 TREE_ENV = "MCF_MLM_TREE"
 LOSS_LOG_ENV = "MCF_MLM_LOSS_LOG"
 SITES_DIR_ENV = "MCF_MLM_SITES_DIR"
-WRITE_DELAY_ENV = "MCF_MLM_CKPT_WRITE_DELAY_S"
-SLOW_ITERATION_ENV = "MCF_MLM_CKPT_SLOW_ITERATION"
-#: The module whose ``_write_item`` the delay slows down (in the checkpoint workers).
+HELD_SAVE_ENV = "MCF_MLM_CKPT_HELD_SAVE"
+#: A bound on holding a write (a run that stops logging becomes a failed save, not a hang).
+HOLD_TIMEOUT_S = 300.0
+#: The module whose ``_write_item`` is held (in the checkpoint workers).
 WRITER_MODULE = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 #: The module whose ``training_log`` is wrapped.
 TRAINING_MODULE = "megatron.training.training"
@@ -85,16 +87,19 @@ def _float_hex(value: Any) -> str:
 
 
 def _recording(training_log: Callable[..., Any], path: Path) -> Callable[..., Any]:
+    signature = inspect.signature(training_log)
+
     @functools.wraps(training_log)
-    def call(loss_dict: dict, total_loss_dict: dict, learning_rate: Any, iteration: int,
-             *args: Any, **kwargs: Any) -> Any:
-        if loss_dict:
-            record = {"iteration": iteration, "rank": int(os.environ.get("RANK", "0")),
-                      **{key: _float_hex(value) for key, value in loss_dict.items()}}
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = signature.bind(*args, **kwargs).arguments
+        if bound["loss_dict"]:
+            record = {"iteration": bound["iteration"],
+                      "rank": int(os.environ.get("RANK", "0")),
+                      "skipped": bool(bound["skipped_iter"]),
+                      **{key: _float_hex(value) for key, value in bound["loss_dict"].items()}}
             with open(path, "a") as f:
                 f.write(json.dumps(record) + "\n")
-        return training_log(loss_dict, total_loss_dict, learning_rate, iteration, *args,
-                            **kwargs)
+        return training_log(*args, **kwargs)
 
     return call
 
@@ -103,29 +108,48 @@ def _record_losses(module: ModuleType) -> None:
     module.training_log = _recording(module.training_log, Path(os.environ[LOSS_LOG_ENV]))
 
 
-def _slowed(stream: Any) -> bool:
-    """Whether a write into ``stream`` (an open checkpoint file) is slowed: every one, or
-    those into the checkpoint directory of ``MCF_MLM_CKPT_SLOW_ITERATION`` (Megatron-LM's
-    ``iter_NNNNNNN``), so that the other saves of a run cost no waiting."""
-    iteration = os.environ.get(SLOW_ITERATION_ENV)
-    if not iteration:
-        return True
-    return f"iter_{int(iteration):07d}" in Path(getattr(stream, "name", "")).parts
+def _step_landed(records: list[dict], saved: int) -> bool:
+    """Whether the loss record shows an optimizer step after iteration ``saved`` that changed
+    the parameters everywhere: the first iteration ``k > saved`` not skipped (the skip is
+    agreed by every rank), and then iteration ``k + 1`` logged, which the last stage logs
+    only after the first stages, their step ``k`` done, fed it."""
+    stepped = [r["iteration"] for r in records if r["iteration"] > saved and not r["skipped"]]
+    return bool(stepped) and any(r["iteration"] > min(stepped) for r in records)
 
 
-def _slow_writes(module: ModuleType) -> None:
+def _records(path: Path) -> list[dict]:
+    try:
+        lines = path.read_text().splitlines()
+    except FileNotFoundError:
+        return []
+    return [json.loads(line) for line in lines if line.endswith("}")]
+
+
+def _hold_until_a_step_landed(saved: int, path: Path) -> None:
     import time
 
-    delay, write_item = float(os.environ[WRITE_DELAY_ENV]), module._write_item
+    deadline = time.monotonic() + HOLD_TIMEOUT_S
+    while not _step_landed(_records(path), saved):
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{HELD_SAVE_ENV}: no optimizer step after iteration {saved} "
+                               f"was logged to {path} within {HOLD_TIMEOUT_S:.0f} s")
+        time.sleep(0.05)
+
+
+def _held_writes(module: ModuleType) -> None:
+    held = int(os.environ[HELD_SAVE_ENV])
+    directory, log = f"iter_{held:07d}", Path(os.environ[LOSS_LOG_ENV])
+    write_item = module._write_item
     signature = inspect.signature(write_item)
 
     @functools.wraps(write_item)  # the writer reads its signature
-    def slow_write_item(*args: Any, **kwargs: Any) -> Any:
-        if _slowed(signature.bind(*args, **kwargs).arguments["stream"]):
-            time.sleep(delay)
+    def held_write_item(*args: Any, **kwargs: Any) -> Any:
+        stream = signature.bind(*args, **kwargs).arguments["stream"]
+        if directory in Path(getattr(stream, "name", "")).parts:
+            _hold_until_a_step_landed(held, log)
         return write_item(*args, **kwargs)
 
-    module._write_item = slow_write_item
+    module._write_item = held_write_item
 
 
 def _plain(get_preparation_data: Callable[..., dict]) -> Callable[..., dict]:
@@ -170,5 +194,5 @@ def start() -> None:
         after_import(TRAINING_MODULE, _record_losses)
     if not spawned:
         _spawns_without_main()
-    if spawned and os.environ.get(WRITE_DELAY_ENV):
-        after_import(WRITER_MODULE, _slow_writes)
+    if spawned and os.environ.get(HELD_SAVE_ENV):
+        after_import(WRITER_MODULE, _held_writes)
