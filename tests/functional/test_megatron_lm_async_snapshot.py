@@ -5,12 +5,12 @@ CI's ``ckpt-resume`` flow of ``gpt3_mcore_tp1_pp2_resume_torch_dist`` (scripts/m
 the job trains to ``--train-iters`` saving asynchronously through megatron-core's persistent
 worker, then resumes from the middle checkpoint. The tiny CPU model's checkpoint is written in
 a blink, so the checkpoint workers hold their writes into the middle checkpoint (the one the
-resume reads: ``MCF_MLM_CKPT_HELD_SAVE``) until the next optimizer step has landed on every
-rank, as a large model's writer is still writing then. (The case trains with ``--fp16``: its first iterations
-overflow and are skipped, so the resume starts from iteration 10, after they end; the runner
-resumes from the middle of ``--train-iters``.) Upstream the middle checkpoint then holds later steps'
-parameters and the resumed losses leave the uninterrupted run's; with the fixes (the
-environment switch alone) every resumed iteration's loss is bitwise the same.
+resume reads: ``MCF_MLM_CKPT_HELD_SAVE``) until an optimizer step after it has changed the
+parameters on every rank, as a large model's writer is still writing then. (The case trains
+with ``--fp16``: its first iterations overflow and are skipped; the hold waits for a step
+that was not.) Upstream the middle checkpoint then holds a later step's parameters and the
+resumed losses leave the uninterrupted run's; with the fixes (the environment switch alone)
+every resumed iteration's loss is bitwise the same.
 """
 
 from __future__ import annotations
