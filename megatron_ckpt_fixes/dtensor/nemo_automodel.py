@@ -6,7 +6,7 @@ layout with the model's ``state_dict_adapter`` (``to_hf``) before DCP saves or l
 back (``from_hf``) after a load. The grouped expert weights are DTensors (experts over
 ``ep``; FSDP2 over ``ep_shard``, or over ``dp_shard_cp`` when EP is off), and the adapters
 rebuild them after splitting, transposing or gathering. Release 0.7.0 gets that wrong in
-four places:
+five places:
 
 - ``Gemma4MoEStateDictAdapter`` with EP off (``ep_size=1``: no MoE mesh) "gathers" an FSDP2
   expert tensor by taking its local shard, as a plain tensor: the save writes rank 0's
@@ -19,6 +19,11 @@ four places:
   MoE mixin, Gemma4's EP gather, DeepSeek-V4): per-expert DTensors without ``shape=``, and
   the local experts counted by a balanced split (4 experts on 3 ranks: 2, 1, 1) where the
   DTensor holds torch's chunks (2, 2, 0): the save raises on the ranks where they differ.
+- The shared MoE mixin's ``_from_hf_w_merged_experts`` (Qwen3-MoE, DeepSeek-V3, GLM-4 MoE
+  and every other adapter on ``MoESplitExpertsStateDictMixin``) merges the loaded experts
+  and wraps them with ``create_dtensor_from_local``: no ``shape=``, so a hidden size that
+  ``ep_shard`` splits unevenly (5 over 2) loads as [4, 6, 12] on ranks 0-1 and [4, 4, 12] on
+  ranks 2-3 for [4, 5, 12], and the load into the model fails with a size mismatch.
 
 The fixes are the package's DTensor core, wired in: expert ranges by torch's own rule
 (:func:`.placements.local_shape_and_offset`), placements moved by
@@ -27,7 +32,9 @@ DTensor from :func:`.wrap.from_local_checked` with a global shape derived from t
 came from (:func:`.placements.shape_from_reference`), checked on each rank. Gemma4 with EP
 off keeps its FSDP2 DTensors (each rank writes its own experts), and its
 ``router.per_expert_scale`` is sharded like the experts so ``from_hf``'s scaling stays on
-each rank's shard. No collective is added: every shape comes from a DTensor that has it.
+each rank's shard; the mixin's merged experts take their global shape from the per-expert
+DTensors DCP loaded them into (:func:`merged_expert_shape`). No collective is added: every
+shape comes from a DTensor that has it.
 
 Whether an upstream function already does the right thing is probed with stand-ins
 (:mod:`.probe`); a patch whose probe passes is not applied.
@@ -39,6 +46,7 @@ import functools
 import importlib.util
 import logging
 import re
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -47,6 +55,7 @@ from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
 from .._patching import Patch, resolve
 from ..importers import bound_imports, name_aliases, renamed_imports
+from .errors import PlacementError
 from .placements import is_shard_like, local_shape_and_offset, shape_from_reference, with_dim
 from .probe import Recorder, Stub, standing_in
 from .transpose import transpose_placements
@@ -56,10 +65,15 @@ logger = logging.getLogger(__name__)
 
 PACKAGE = "nemo_automodel"
 UTILS = "nemo_automodel.components.moe.state_dict_utils"
+MIXIN = "nemo_automodel.components.moe.state_dict_mixin"
 STEP3P5 = "nemo_automodel.components.models.step3p5.state_dict_adapter"
 GEMMA4 = "nemo_automodel.components.models.gemma4_moe.state_dict_adapter"
 
 _SCALE = re.compile(r"(?P<layer>.*layers\.\d+)\.router\.per_expert_scale$")
+#: An HF per-expert weight the mixin merges, and the native key it merges into (the mixin's
+#: naming: ``<stem>.<expert>.up_proj.weight`` -> ``<stem>.gate_and_up_projs``).
+_HF_EXPERT = re.compile(r"(?P<stem>.+)\.\d+\.(?P<proj>up_proj|down_proj)\.weight$")
+_MERGED = {"up_proj": "gate_and_up_projs", "down_proj": "down_projs"}
 
 
 # ----------------------------------------------------------------- the shared expert split
@@ -110,6 +124,57 @@ def exact_split(original: Any) -> Any:
         return exact, expert_ids
 
     return split_experts_weights_dtensor_aware
+
+
+# ----------------------------------------------------------------- the shared mixin's merge
+def merged_expert_shape(key: str, local_shape: Sequence[int], placements: Sequence[Placement],
+                        n_experts: int, hf_shape: Sequence[int]) -> tuple[int, ...]:
+    """The global shape of a grouped expert tensor [E, in, ...] that the mixin merged from
+    per-expert HF weights [out, in] (transposed, stacked, gate and up joined on the last
+    dim): a sharded dim 0 has all ``n_experts``, a sharded dim 1 the HF weight's global
+    ``in``; an unsharded dim is whole on every rank. The mixin shards nothing else."""
+    shape = list(local_shape)
+    for axis, p in enumerate(placements):
+        if not is_shard_like(p):
+            continue
+        if p.dim > 1:
+            raise PlacementError(key, None, f"mesh axis {axis} shards dim {p.dim} of a merged "
+                                            "expert tensor; only dims 0 and 1 are known")
+        shape[p.dim] = n_experts if p.dim == 0 else hf_shape[1]
+    return tuple(shape)
+
+
+def hf_expert_references(hf_state_dict: Mapping[str, Any]) -> dict[str, DTensor]:
+    """Native merged key -> one of the HF per-expert DTensors merged into it (read before
+    the mixin pops them: they carry the global shapes its merge drops)."""
+    found: dict[str, DTensor] = {}
+    for key, value in hf_state_dict.items():
+        match = _HF_EXPERT.fullmatch(key)
+        if match and isinstance(value, DTensor):
+            found.setdefault(f"{match['stem']}.{_MERGED[match['proj']]}", value)
+    return found
+
+
+def exact_merged_experts(original: Any) -> Any:
+    """The mixin's ``_from_hf_w_merged_experts`` whose merged expert DTensors have their
+    exact global shape (upstream: ``create_dtensor_from_local``, which multiplies the local
+    size and is wrong where ``ep_shard`` splits a dim unevenly), checked on each rank."""
+
+    @functools.wraps(original)
+    def _from_hf_w_merged_experts(self, hf_state_dict, *args, **kwargs):
+        references = hf_expert_references(hf_state_dict)
+        out = original(self, hf_state_dict, *args, **kwargs)
+        for key, reference in references.items():
+            value = out.get(key)
+            if isinstance(value, DTensor):
+                local = value.to_local()
+                shape = merged_expert_shape(key, local.shape, value.placements,
+                                            self.moe_config.n_routed_experts, reference.shape)
+                out[key] = from_local_checked(key, local, value.device_mesh, value.placements,
+                                              shape)
+        return out
+
+    return _from_hf_w_merged_experts
 
 
 # ----------------------------------------------------------------- Step3p5
@@ -279,6 +344,37 @@ def upstream_splits_exactly() -> str | None:
 
 
 @functools.lru_cache(maxsize=None)
+def upstream_mixin_merges_exactly() -> str | None:
+    """Two gated experts loaded as HF DTensors, gate/up [4, 5] and down [5, 4], sharded on
+    dim 1 over ``ep_shard`` 2 (this rank 3 of 5 and 2 of 4): the mixin's merged
+    gate_and_up_projs must say [2, 5, 8] and down_projs [2, 4, 5]."""
+    def run() -> str | None:
+        mixin, utils = resolve(MIXIN), resolve(UTILS)
+
+        class Adapter(mixin.MoESplitExpertsStateDictMixin):
+            moe_config = Stub({"n_routed_experts": 2, "expert_bias": False, "dim": 5,
+                               "moe_inter_dim": 4, "expert_activation": "swiglu"})
+            dtype = torch.float32
+
+        shard = _mesh(("ep_shard",), (2,))
+        hf = {f"model.layers.0.mlp.experts.{e}.{proj}.weight":
+              _dtensor(torch.zeros(*local), shard, (Shard(1),), whole)
+              for e in range(2) for proj, local, whole in (
+                  ("gate_proj", (4, 3), (4, 5)), ("up_proj", (4, 3), (4, 5)),
+                  ("down_proj", (5, 2), (5, 4)))}
+        submesh = lambda m, dims: m[dims]  # noqa: E731 - the stand-ins' own indexing
+        with standing_in(utils, DTensor=Recorder(), get_submesh=submesh), \
+                standing_in(mixin, is_dtensor=_is_stub, get_submesh=submesh):
+            out = Adapter()._from_hf_w_merged_experts(hf, _mesh(("ep_shard", "ep"), (2, 1)))
+        built = [tuple(out[f"model.layers.0.mlp.experts.{k}"].shape)
+                 for k in ("gate_and_up_projs", "down_projs")]
+        return "the MoE mixin's merge passes exact shapes" \
+            if built == [(2, 5, 8), (2, 4, 5)] else None
+
+    return _probe("mixin_merge", run)
+
+
+@functools.lru_cache(maxsize=None)
 def upstream_swaps_strided() -> str | None:
     def run() -> str | None:
         swapped = resolve(STEP3P5)._swap_shard_placements_1_2(
@@ -371,6 +467,11 @@ PATCHES: tuple[Patch, ...] = (
     _shared_patch("split_experts_weights_dtensor_aware", exact_split, upstream_splits_exactly,
                   "per-expert DTensors with the exact global shape (every MoE-mixin adapter, "
                   "Gemma4's EP gather)"),
+    Patch(name="dtensor.nemo_automodel.mixin_merge",
+          target=f"{MIXIN}:MoESplitExpertsStateDictMixin", attr="_from_hf_w_merged_experts",
+          build=exact_merged_experts, not_needed=upstream_mixin_merges_exactly,
+          why="the MoE mixin's merged expert DTensors get the exact global shape (upstream: "
+              "create_dtensor_from_local without shape=, wrong where ep_shard splits unevenly)"),
     Patch(name="dtensor.nemo_automodel.step3p5_swap", target=STEP3P5,
           attr="_swap_shard_placements_1_2", build=swap_1_2, not_needed=upstream_swaps_strided,
           why="placements follow transpose(1, 2), _StridedShard included (PR 1691 swaps Shard "

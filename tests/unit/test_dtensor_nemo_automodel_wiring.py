@@ -23,8 +23,9 @@ pytestmark = pytest.mark.varies_with("torch", "python", "nemo_automodel")
 
 FEATURE = "dtensor.nemo_automodel"
 PROBES = (nemo.upstream_slices_by_chunks, nemo.upstream_splits_exactly,
-          nemo.upstream_swaps_strided, nemo.upstream_step3p5_to_hf_exact,
-          nemo.upstream_step3p5_from_reference_exact, nemo.upstream_gemma4_keeps_shards)
+          nemo.upstream_mixin_merges_exactly, nemo.upstream_swaps_strided,
+          nemo.upstream_step3p5_to_hf_exact, nemo.upstream_step3p5_from_reference_exact,
+          nemo.upstream_gemma4_keeps_shards)
 
 
 @pytest.fixture
@@ -54,6 +55,35 @@ def test_expert_placements_drop_the_expert_dim():
         (Shard(0), Replicate(), Replicate(), _StridedShard(1, split_factor=2))
 
 
+def test_merged_expert_shape_takes_experts_and_the_hf_in_dim():
+    # issue 31 item 7: gate_and_up local [2, 3, 12] of [4, 5, 12], (ep_shard Shard(1), ep
+    # Shard(0)); HF up_proj [6, 5]
+    assert nemo.merged_expert_shape("k", (2, 3, 12), (Shard(1), Shard(0)), 4, (6, 5)) == \
+        (4, 5, 12)
+    assert nemo.merged_expert_shape("k", (2, 2, 12), (Shard(1), Shard(0)), 4, (6, 5)) == \
+        (4, 5, 12)
+    assert nemo.merged_expert_shape("k", (2, 6, 5), (Replicate(), Shard(0)), 4, (5, 6)) == \
+        (4, 6, 5)
+    with pytest.raises(PlacementError, match="shards dim 2"):
+        nemo.merged_expert_shape("k", (2, 3, 6), (Shard(2),), 4, (6, 5))
+
+
+def test_hf_expert_references_name_the_merged_keys(single_rank_group):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import distribute_tensor
+
+    mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("ep_shard",))
+    up, down = (distribute_tensor(torch.zeros(s), mesh, [Shard(1)]) for s in ((6, 5), (5, 6)))
+    refs = nemo.hf_expert_references({
+        "model.layers.0.mlp.experts.3.gate_proj.weight": up,
+        "model.layers.0.mlp.experts.3.up_proj.weight": up,
+        "model.layers.0.mlp.experts.3.down_proj.weight": down,
+        "model.layers.1.mlp.experts.0.up_proj.weight": torch.zeros(6, 5),  # not a DTensor
+        "model.layers.0.mlp.gate.weight": up})
+    assert refs == {"model.layers.0.mlp.experts.gate_and_up_projs": up,
+                    "model.layers.0.mlp.experts.down_projs": down}
+
+
 # ------------------------------------------------------------------ detection by behaviour
 def test_every_patch_is_needed_on_0_7_0(fresh_probes):
     assert [probe() for probe in PROBES] == [None] * len(PROBES)
@@ -68,6 +98,7 @@ def _fixed_upstream() -> dict:
     import torch.distributed._tensor as dtensor_module
     from nemo_automodel.components.models.gemma4_moe import state_dict_adapter as gemma4
     from nemo_automodel.components.models.step3p5 import state_dict_adapter as step3p5
+    from nemo_automodel.components.moe import state_dict_mixin as mixin
     from nemo_automodel.components.moe import state_dict_utils as utils
 
     from megatron_ckpt_fixes.dtensor.placements import contiguous_stride
@@ -103,8 +134,25 @@ def _fixed_upstream() -> dict:
     def gather(self, tensor, device_mesh, n_experts):
         return tensor
 
+    original_merge = mixin.MoESplitExpertsStateDictMixin._from_hf_w_merged_experts
+    merged = {"up_proj": "gate_and_up_projs", "down_proj": "down_projs"}
+
+    def merge(self, hf, *args, **kwargs):  # the HF weights' shapes, as the fix reads them
+        refs = {f"{k.rsplit('.', 3)[0]}.{merged[k.split('.')[-2]]}": v.shape
+                for k, v in hf.items() if k.split(".")[-2] in merged}
+        out = original_merge(self, hf, *args, **kwargs)
+        for key, ref in refs.items():
+            value = out[key]
+            shape = nemo.merged_expert_shape(key, value.to_local().shape, value.placements,
+                                             self.moe_config.n_routed_experts, ref)
+            out[key] = utils.DTensor.from_local(value.to_local(), value.device_mesh,
+                                                value.placements, shape=shape,
+                                                stride=contiguous_stride(shape))
+        return out
+
     return {(utils, "get_expert_slice_for_rank"): slice_,
             (utils, "split_experts_weights_dtensor_aware"): split,
+            (mixin.MoESplitExpertsStateDictMixin, "_from_hf_w_merged_experts"): merge,
             (step3p5, "_swap_shard_placements_1_2"):
                 lambda placements: transpose_placements(placements, 3, 1, 2),
             (step3p5, "_create_dtensor_from_local_or_reference"): from_reference,
@@ -120,7 +168,7 @@ def test_a_fixed_upstream_is_left_alone(fresh_probes, monkeypatch, clean_install
     reasons = [probe() for probe in PROBES]
     assert all(reasons), reasons
     assert clean_install.install([FEATURE]) == []
-    assert len(clean_install.installed()) == 7
+    assert len(clean_install.installed()) == 8
     assert all(v.startswith("not applied: not needed: ") for v in
                clean_install.installed().values())
 
@@ -135,7 +183,7 @@ def test_install_patches_the_helpers_where_modules_bound_them(clean_install):
         "nemo_automodel.components.models.deepseek_v4.state_dict_adapter":
             "split_experts_weights_dtensor_aware",
         "nemo_automodel.components.moe.state_dict_mixin": "split_experts_weights_dtensor_aware"}
-    assert len(clean_install.install([FEATURE])) == 7
+    assert len(clean_install.install([FEATURE])) == 8
     patched = state_dict_utils.split_experts_weights_dtensor_aware
     assert patched is not original and state_dict_mixin.split_experts_weights_dtensor_aware \
         is patched and dsv4.split_experts_weights_dtensor_aware is patched
