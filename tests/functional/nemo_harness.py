@@ -57,20 +57,22 @@ MODELS = {
 }
 
 
-def truth(n_experts: int = E) -> dict[str, torch.Tensor]:
+def truth(n_experts: int = E, hidden: int = H, inter: int = I) -> dict[str, torch.Tensor]:
     """The native expert weights (gate_and_up [E, H, 2I], down [E, I, H])."""
-    gate_up = torch.arange(n_experts * H * 2 * I, dtype=torch.float32).reshape(n_experts, H, 2 * I)
-    down = torch.arange(n_experts * I * H, dtype=torch.float32).reshape(n_experts, I, H) + 1000
+    gate_up = torch.arange(n_experts * hidden * 2 * inter, dtype=torch.float32).reshape(
+        n_experts, hidden, 2 * inter)
+    down = torch.arange(n_experts * inter * hidden, dtype=torch.float32).reshape(
+        n_experts, inter, hidden) + 1000
     return {"gate_and_up_projs": gate_up, "down_projs": down}
 
 
-def moe_config(n_experts: int = E, inter: int = I):
+def moe_config(n_experts: int = E, inter: int = I, hidden: int = H):
     from nemo_automodel.components.moe.config import MoEConfig
 
     return MoEConfig(n_routed_experts=n_experts, n_shared_experts=0, n_activated_experts=2,
                      n_expert_groups=0, n_limited_groups=0, train_gate=True,
                      gate_bias_update_factor=0.0, aux_loss_coeff=0.0, score_func="softmax",
-                     route_scale=1.0, dim=H, inter_dim=inter, moe_inter_dim=inter,
+                     route_scale=1.0, dim=hidden, inter_dim=inter, moe_inter_dim=inter,
                      norm_topk_prob=False, dtype=torch.float32)
 
 
@@ -93,9 +95,14 @@ def meshes(ep: int):
                                      world_size=dist.get_world_size())
 
 
-def build(name: str, ep: int, n_experts: int = E):
-    """(model, experts module, moe_mesh): the native weights sharded as NeMo shards them."""
+def build(name: str, ep: int, n_experts: int = E, hidden: int = H, inter: int = I):
+    """(model, experts module, moe_mesh): the native weights sharded as NeMo shards them.
+
+    A ``hidden`` that ``ep_shard`` splits unevenly (FSDP2 refuses to) gets the same
+    placements from ``distribute_tensor``, as parameters set as DTensors have them (issue
+    31's EP 2 x ep_shard 2 with hidden 5)."""
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Shard, distribute_tensor
     from torch.distributed.tensor.parallel import parallelize_module
 
     from nemo_automodel.components.models.common import BackendConfig
@@ -105,17 +112,21 @@ def build(name: str, ep: int, n_experts: int = E):
     mesh, moe_mesh = meshes(ep)
     model = torch.nn.Module()
     experts = _module_at(model, spec.prefix)
-    for key, value in truth(n_experts).items():
+    uneven = ep > 1 and hidden % moe_mesh["ep_shard"].size() != 0
+    for key, value in truth(n_experts, hidden, inter).items():
+        if uneven:
+            value = distribute_tensor(value, moe_mesh[("ep_shard", "ep")],
+                                      [_moe_shard_placement(value), Shard(0)])
         experts.register_parameter(key, torch.nn.Parameter(value.clone()))
-    if ep > 1:
+    if ep == 1:
+        fully_shard(experts, mesh=mesh["dp_shard_cp"])
+    elif not uneven:
         parallelize_module(experts, moe_mesh["ep"], ExpertParallel())
         if moe_mesh["ep_shard"].size() > 1:
             fully_shard(experts, mesh=moe_mesh["ep_shard"],
                         shard_placement_fn=_moe_shard_placement)
-    else:
-        fully_shard(experts, mesh=mesh["dp_shard_cp"])
-    model.state_dict_adapter = spec.adapter_class()(None, moe_config(n_experts), BackendConfig(),
-                                                     dtype=torch.float32)
+    model.state_dict_adapter = spec.adapter_class()(None, moe_config(n_experts, inter, hidden),
+                                                     BackendConfig(), dtype=torch.float32)
     return model, experts, moe_mesh
 
 
@@ -148,11 +159,12 @@ def saved_shapes(path: str) -> dict[str, tuple[int, ...]]:
             if hasattr(v, "size") and ("proj" in k)}
 
 
-def run(name: str, ep: int, path: str, *, save: bool = True, n_experts: int = E) -> dict:
+def run(name: str, ep: int, path: str, *, save: bool = True, n_experts: int = E,
+        hidden: int = H, inter: int = I) -> dict:
     """Build at ``ep``, save (unless ``save`` is false: the checkpoint is another layout's),
     overwrite, load, compare. Errors are reported, not raised."""
-    full = truth(n_experts)
-    model, experts, moe_mesh = build(name, ep, n_experts)
+    full = truth(n_experts, hidden, inter)
+    model, experts, moe_mesh = build(name, ep, n_experts, hidden, inter)
     ckpt = checkpointer(moe_mesh, path)
     out: dict = {"placements": {k: str(p.placements) for k, p in experts.named_parameters()}}
     try:

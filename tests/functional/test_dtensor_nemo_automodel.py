@@ -7,7 +7,9 @@ Each spawn runs plain upstream (the failing twins) and the fix in the same ranks
 uneven experts, and the issue's own uneven-inner-dim numbers; 4 ranks save at EP 2 x
 expert-dp 2 (and EP 4) what 3 ranks load with EP off, 2 + 2 + 0 experts per rank, with the
 fix from the environment switch alone (``MEGATRON_CKPT_FIXES=1``); the mixin's expert split
-fails upstream where torch's chunks and its balanced split disagree. HF-format checkpoints
+fails upstream where torch's chunks and its balanced split disagree, and its merge at load
+(issue 31 item 7: hidden 5 over ``ep_shard`` 2 at EP 2, saved on 4 ranks, loaded there and
+on 3) fails with a size mismatch without its patch. HF-format checkpoints
 do not depend on the layout, so every load at another layout is a real reshard. Every
 loaded shard is compared with its true value on every rank (max delta 0.0). The harness is
 ``nemo_harness.py``; NeMo Automodel comes from ``scripts/install_nemo_automodel.sh``.
@@ -26,7 +28,8 @@ pytestmark = pytest.mark.varies_with("torch", "python", "nemo_automodel")
 
 FEATURE = "dtensor.nemo_automodel"
 NAMES = {f"{FEATURE}.{n}" for n in (
-    "get_expert_slice_for_rank", "split_experts_weights_dtensor_aware", "step3p5_swap",
+    "get_expert_slice_for_rank", "split_experts_weights_dtensor_aware", "mixin_merge",
+    "step3p5_swap",
     "step3p5_from_reference", "step3p5_to_hf", "gemma4_gather", "gemma4_scales")}
 
 
@@ -64,12 +67,23 @@ def _two(rank: int, world: int, dirs: dict) -> dict:
 def _four(rank: int, world: int, dirs: dict) -> dict:
     import megatron_ckpt_fixes
     import nemo_harness as h
+    from nemo_automodel.components.moe.state_dict_mixin import MoESplitExpertsStateDictMixin
 
     megatron_ckpt_fixes.install([FEATURE])
     out = {name: h.run(name, 2, dirs[f"{name}_ep2"]) for name in h.MODELS}
     out["gemma4_ep4_from_ep2"] = h.run("gemma4", 4, dirs["gemma4_ep2"], save=False)
     out["gemma4_ep1_empty"] = h.run("gemma4", 1, dirs["gemma4_empty"], n_experts=3)
     out["qwen3_moe_ep1_6"] = h.run("qwen3_moe", 1, dirs["qwen3_6"], n_experts=6)
+    # Item 7: hidden 5 over ep_shard 2 (EP 2), gate_and_up [4, 5, 12]; first with every patch
+    # but the mixin's merge (its upstream function: the issue's size mismatch), then fixed.
+    merge = MoESplitExpertsStateDictMixin._from_hf_w_merged_experts
+    MoESplitExpertsStateDictMixin._from_hf_w_merged_experts = merge.__wrapped__
+    try:
+        out["upstream_mixin_merge_hidden5"] = h.run("qwen3_moe", 2, dirs["up_hidden5"],
+                                                    hidden=5, inter=6)
+    finally:
+        MoESplitExpertsStateDictMixin._from_hf_w_merged_experts = merge
+    out["qwen3_moe_hidden5"] = h.run("qwen3_moe", 2, dirs["hidden5"], hidden=5, inter=6)
     megatron_ckpt_fixes.uninstall()
     # Last: it fails on ranks 2 and 3 only (6 experts: torch's chunks 2, 2, 2, 0; upstream's
     # balanced split 2, 2, 1, 1), and the others then lose their peers.
@@ -87,6 +101,8 @@ def _three_switch(rank: int, world: int, dirs: dict) -> dict:
                          if k.startswith(FEATURE)}}
     for name in h.MODELS:  # saved at EP 2 x expert-dp 2; here EP off, 2 + 2 + 0 experts
         out[f"{name}_from_ep2"] = h.run(name, 1, dirs[f"{name}_ep2"], save=False)
+    out["qwen3_moe_hidden5_from_ep2"] = h.run("qwen3_moe", 1, dirs["hidden5"], save=False,
+                                              hidden=5, inter=6)
     megatron_ckpt_fixes.uninstall()
     out["upstream_gemma4_from_ep2"] = h.run("gemma4", 1, dirs["gemma4_ep2"], save=False)
     out["upstream_step3p5_from_ep2"] = h.run("step3p5", 1, dirs["step3p5_ep2"], save=False)
@@ -102,7 +118,8 @@ def dirs(tmp_path_factory):
     root = tmp_path_factory.mktemp("nemo")
     return {name: str(root / name) for name in (
         "up_gemma4", "up_step3p5", "gemma4_ep1", "step3p5", "qwen3_moe", "no_shape",
-        "gemma4_ep2", "step3p5_ep2", "qwen3_moe_ep2", "gemma4_empty", "qwen3_6", "up_qwen3_6")}
+        "gemma4_ep2", "step3p5_ep2", "qwen3_moe_ep2", "gemma4_empty", "qwen3_6", "up_qwen3_6",
+        "up_hidden5", "hidden5")}
 
 
 @pytest.fixture(scope="module")
@@ -165,6 +182,19 @@ def test_upstream_mixin_split_disagrees_with_torchs_chunks(four, three):
         assert raised == failing, results
 
 
+def test_upstream_mixin_merge_loads_an_uneven_hidden_size_with_a_wrong_shape(four):
+    """Item 7 (issue 31): EP 2 x ep_shard 2, hidden 5 over ep_shard 2, every other patch on:
+    the save passes, and the load fails in ``load_state_dict`` with the shapes that
+    ``create_dtensor_from_local`` infers from each rank's local 3 or 2 rows."""
+    for rank, r in enumerate(four):
+        result = r["upstream_mixin_merge_hidden5"]
+        assert "saved" in result, result
+        wrong = "[4, 6, 12]" if rank < 2 else "[4, 4, 12]"
+        assert ("size mismatch for model.layers.0.mlp.experts.gate_and_up_projs: copying a "
+                f"param with shape torch.Size({wrong}) from checkpoint, the shape in current "
+                "model is torch.Size([4, 5, 12])") in result.get("error", ""), result
+
+
 def test_upstream_gemma4_and_step3p5_cannot_load_an_ep2_checkpoint_with_ep_off(three):
     for r in three:
         assert "error" in r["upstream_gemma4_from_ep2"], r["upstream_gemma4_from_ep2"]
@@ -203,6 +233,19 @@ def test_ep2_with_expert_dp_saves_and_loads_at_ep4_and_ep_off(four, three):
         for name in ("gemma4", "step3p5", "qwen3_moe"):
             _exact(r[f"{name}_from_ep2"])
     assert three[2]["gemma4_from_ep2"]["local_sizes"]["down_projs"][0] == 0
+
+
+def test_mixin_merge_is_exact_with_an_uneven_hidden_size(four, three):
+    """The same save (EP 2 x ep_shard 2, hidden 5) with the fix loads exactly there and at
+    EP off on 3 ranks (2 + 2 + 0 experts)."""
+    for r in four:
+        _exact(r["qwen3_moe_hidden5"])
+        assert r["qwen3_moe_hidden5"]["saved"][
+            "model.layers.0.mlp.experts.0.up_proj.weight"] == (6, 5)
+    assert [r["qwen3_moe_hidden5"]["local_sizes"]["gate_and_up_projs"] for r in four] == \
+        [(2, 3, 12), (2, 3, 12), (2, 2, 12), (2, 2, 12)]
+    for r in three:
+        _exact(r["qwen3_moe_hidden5_from_ep2"])
 
 
 def test_the_issue_numbers_are_exact(two):
