@@ -11,17 +11,26 @@ The record names the save it belongs to (``.metadata``'s ``storage_meta.save_id`
 for every save), so a sidecar left behind by an earlier save of the same directory is never
 used to judge another save's bytes.
 
+It also holds the checksum of each whole file a load reads besides the items
+(``whole_files``: ``common.pt``, ``.metadata``, ``metadata.json``; :mod:`.files`), and its own
+checksum (``digest``, over its canonical form: the JSON with sorted keys and no ``digest``),
+so a changed byte in the record is an error naming the record, never a false item mismatch
+or a pass. A record without ``whole_files`` and ``digest`` (written before they existed)
+still reads, its items checked as before; one with ``whole_files`` must carry its digest,
+and a key the reader does not know is refused (a changed byte in a key name is no pass).
+
 Everything here is pure file I/O (no process group, no megatron-core): ``verify`` and the
 collective check before a load (:mod:`.load`) share it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import json
 import os
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
 
@@ -35,8 +44,43 @@ FORMAT = "megatron-ckpt-fixes/checksums"
 VERSION = 2
 
 
+#: The record's top-level keys (any other is a changed byte, or a newer writer's record).
+_KEYS = frozenset({"format", "version", "algorithm", "save_id", "files", "whole_files",
+                   "digest"})
+
+
 class RecordError(ValueError):
-    """The sidecar exists but cannot be read as a checksum record."""
+    """The sidecar exists but cannot be read as a checksum record (or does not match its own
+    checksum)."""
+
+
+def canonical(doc: dict) -> bytes:
+    """What the record's own checksum covers: the document without ``digest``, keys sorted,
+    no spaces (the same bytes whatever order a writer put the keys in)."""
+    body = {k: v for k, v in doc.items() if k != "digest"}
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _own_checksum(doc: dict, name: str) -> str:
+    algo = algorithm(name)
+    hasher = algo.new()
+    hasher.update(canonical(doc))
+    return algo.format(hasher.value())
+
+
+def _check_own_checksum(doc: dict) -> None:
+    unknown = set(doc) - _KEYS
+    if unknown:
+        raise ValueError(f"unknown key(s) {sorted(unknown)}")
+    recorded = doc.get("digest")
+    if recorded is None:
+        if "whole_files" in doc:
+            raise ValueError("it holds file checksums but no checksum of its own")
+        return  # written before records carried one
+    found = _own_checksum(doc, doc.get("algorithm"))
+    if recorded != found:
+        raise ValueError(f"it does not match its own checksum (recorded {recorded}, its "
+                         f"content hashes to {found}): it was changed after it was written")
 
 
 def _columns_v1(doc: dict, columns: dict) -> list[int]:
@@ -60,10 +104,13 @@ class ChecksumRecord:
     save_id: str | None
     checksums: dict[tuple[str, int], tuple[int, int]]
     algorithm: str = DEFAULT.name
+    #: ``name -> (length, checksum)`` of each whole file covered (:mod:`.files`).
+    whole_files: dict[str, tuple[int, int]] = field(default_factory=dict)
 
     def to_json(self) -> str:
         """Columns per file (offsets, lengths, checksums): a 100k-item record serializes in
-        tens of milliseconds on the coordinator, inside the save's finalize."""
+        tens of milliseconds on the coordinator, inside the save's finalize. Written in its
+        canonical form, its own checksum appended."""
         fmt = algorithm(self.algorithm).format
         files: dict[str, tuple[list[int], list[int], list[str]]] = {}
         for (file, offset), (length, value) in self.checksums.items():
@@ -71,11 +118,18 @@ class ChecksumRecord:
             columns[0].append(offset)
             columns[1].append(length)
             columns[2].append(fmt(value))
-        return json.dumps({"format": FORMAT, "version": VERSION, "algorithm": self.algorithm,
-                           "save_id": self.save_id,
-                           "files": {file: {"offset": o, "length": n, "checksum": c}
-                                     for file, (o, n, c) in sorted(files.items())}},
-                          separators=(",", ":"))
+        doc = {"format": FORMAT, "version": VERSION, "algorithm": self.algorithm,
+               "save_id": self.save_id,
+               "files": {file: {"offset": o, "length": n, "checksum": c}
+                         for file, (o, n, c) in sorted(files.items())},
+               "whole_files": {name: {"length": n, "checksum": fmt(v)}
+                               for name, (n, v) in sorted(self.whole_files.items())}}
+        body = canonical(doc).decode()
+        return f'{body[:-1]},"digest":"{_own_checksum(doc, self.algorithm)}"}}'
+
+    def with_files(self, files: dict[str, tuple[int, int]]) -> ChecksumRecord:
+        """This record, also covering the whole files ``name -> (length, checksum)``."""
+        return dataclasses.replace(self, whole_files={**self.whole_files, **files})
 
     @classmethod
     def from_json(cls, text: str) -> ChecksumRecord:
@@ -88,6 +142,9 @@ class ChecksumRecord:
                 raise ValueError(f"record version {doc.get('version')}, this package reads "
                                  f"{', '.join(map(str, _READERS))}")
             name = algorithm(doc.get("algorithm")).name
+            _check_own_checksum(doc)
+            whole_files = {file: (int(entry["length"]), int(entry["checksum"], 16))
+                           for file, entry in doc.get("whole_files", {}).items()}
             checksums = {}
             for file, columns in doc["files"].items():
                 offsets, lengths, values = columns["offset"], columns["length"], read(doc, columns)
@@ -97,7 +154,7 @@ class ChecksumRecord:
                                  for o, n, v in zip(offsets, lengths, values))
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             raise RecordError(f"{SIDECAR} is unreadable: {exc}") from exc
-        return cls(doc.get("save_id"), checksums, name)
+        return cls(doc.get("save_id"), checksums, name, whole_files)
 
 
 def write_record(checkpoint_dir: str | os.PathLike, record: ChecksumRecord) -> None:
@@ -232,6 +289,8 @@ class ChecksumSummary:
     unrecorded: int = 0
     mismatched: int = 0
     algorithm: str | None = None  # the record's, when it was read
+    files: int = 0  # whole files checked (common.pt, .metadata, metadata.json: .files)
+    files_mismatched: int = 0
 
     def __str__(self) -> str:
         if self.status == "absent":
@@ -245,6 +304,11 @@ class ChecksumSummary:
             text += f", {self.mismatched} do not"
         if self.unrecorded:
             text += f"; {self.unrecorded} have no checksum"
+        if self.files:
+            text += (f"; {self.files - self.files_mismatched} of {self.files} whole file(s) "
+                     "(common state, metadata) match")
+            if self.files_mismatched:
+                text += f", {self.files_mismatched} do not"
         return text
 
 
