@@ -1,11 +1,15 @@
-"""Checksums of every saved item: recorded at save time, checked by ``verify`` and at load.
+"""Checksums of every saved item and of every other file a load reads: recorded at save time,
+checked by ``verify`` and at load.
 
 Reading order: :mod:`.algorithms` (which hash, and why) -> :mod:`.record` (what is recorded,
 where, how it is checked) -> :mod:`.hashing` (hashing beside the writer's I/O) ->
 :mod:`.writer` (where the bytes are: megatron-core's torch_dist writer; the save's
 patches) -> :mod:`.reader` (every load checks the bytes it reads; the load's patches) ->
-:mod:`.load` (the collective check of every item before a load). :mod:`.manifest` reads and
-checks megatron-core's own integrity manifest (``integrity.json``), for ``verify``.
+:mod:`.files` (the whole files a load reads besides the items: ``common.pt``, ``.metadata``,
+``metadata.json``), :mod:`.file_writer` and :mod:`.file_reader` (their checksums at save,
+their checks at load) -> :mod:`.load` (the collective check of every item before a load).
+:mod:`.manifest` reads and checks megatron-core's own integrity manifest (``integrity.json``),
+for ``verify``.
 
     megatron_ckpt_fixes.install()                 # "checksums" is a default feature
     dist_checkpointing.save(sharded, ckpt_dir)    # writes ckpt_dir/.checksums.json too
@@ -20,10 +24,10 @@ checkpoint and ``inspect`` stay free of it.
 
 from typing import Any
 
-from . import reader, writer
+from . import file_reader, file_writer, reader, writer
 from .record import SIDECAR, ChecksumSummary, read_record
 
-PATCHES = writer.PATCHES + reader.PATCHES
+PATCHES = writer.PATCHES + file_writer.PATCHES + reader.PATCHES + file_reader.PATCHES
 
 __all__ = ["PATCHES", "SIDECAR", "ChecksumError", "ChecksumSummary", "read_record",
            "verify_checkpoint"]

@@ -60,7 +60,9 @@ class LoadChecks:
     status: str
 
 
-def _read_record(reader: Any) -> ChecksumRecord | None:
+def record_of_reader(reader: Any) -> ChecksumRecord | None:
+    """The record of the checkpoint ``reader`` reads, through its own file system; None when
+    it has none. Raises :class:`.record.RecordError` (unreadable, or not its own checksum)."""
     path = reader.fs.concat_path(reader.path, SIDECAR)
     if not reader.fs.exists(path):
         return None
@@ -74,7 +76,7 @@ def reading_record(original: Callable[..., None]) -> Callable[..., None]:
     @functools.wraps(original)
     def set_up_storage_reader(self: Any, metadata: Any, *args: Any, **kwargs: Any) -> None:
         original(self, metadata, *args, **kwargs)
-        record = _read_record(self)
+        record = record_of_reader(self)
         status = record_status(record, metadata)
         if status != "verified" and rank_and_size()[0] == 0:
             logger.info("loading %s without checking its bytes: %s", self.path,

@@ -17,8 +17,9 @@ which, :mod:`.hashing` how):
   megatron-core's results queue, or returned).
 - megatron-core already gathers every rank's write results on the coordinator, which builds
   ``.metadata`` from them in ``finish``: the patched ``finish`` writes the record
-  (:mod:`.record`) from the same results just before ``.metadata``, so the two describe the
-  same save by construction and no extra collective is needed.
+  (:mod:`.record`) from the same results right after ``.metadata``, with the checksum of
+  ``.metadata`` as written and of the ``common.pt`` this save wrote (:mod:`.file_writer`),
+  so the two describe the same save by construction and no extra collective is needed.
 
 torch.save also computes a CRC-32 of every record it writes (about half of the writer's CPU
 time here: ``python benchmarks/bench_realistic_save.py``), which nothing ever checks:
@@ -59,6 +60,7 @@ from torch.distributed.checkpoint.storage import WriteResult
 from .._patching import Patch
 from ..activation import switched_on
 from .algorithms import DEFAULT
+from .file_writer import files_at_finish
 from .hashing import ItemTap, current_batch, hash_pieces, open_batch, owned_memory
 from .record import ChecksumRecord, remove_record, write_record
 
@@ -246,25 +248,27 @@ def record_of(results: Sequence[Sequence[WriteResult]],
 
 
 def recording_finish(original: Callable[..., None]) -> Callable[..., None]:
-    """Wrap ``FileSystemWriterAsync.finish`` (coordinator only): record, then ``.metadata``."""
+    """Wrap ``FileSystemWriterAsync.finish`` (coordinator only): ``.metadata``, then the
+    record (which covers ``.metadata`` as written)."""
 
     @functools.wraps(original)
     def finish(self: Any, metadata: Any, results: Sequence[Sequence[WriteResult]]) -> None:
         directory = os.fspath(self.checkpoint_dir)
-        if os.path.isdir(directory):
-            record, missing = record_of(results, self.save_id)
-            if record.checksums:
-                write_record(directory, record)
-            else:
-                remove_record(directory)
-            if missing:
-                logger.warning(
-                    "%d of %d saved items of %s have no checksum: they were written by a "
-                    "process without the checksums patch; verify reports them as unchecked",
-                    missing, missing + len(record.checksums), directory)
-        else:
+        local = os.path.isdir(directory)
+        if local:
+            remove_record(directory)  # no reader judges the new .metadata by an old record
+        original(self, metadata, results)
+        if not local:
             logger.warning("checksums not recorded for %s: not a local directory", directory)
-        return original(self, metadata, results)
+            return
+        record, missing = record_of(results, self.save_id)
+        if record.checksums:
+            write_record(directory, record.with_files(files_at_finish(directory)))
+        if missing:
+            logger.warning(
+                "%d of %d saved items of %s have no checksum: they were written by a "
+                "process without the checksums patch; verify reports them as unchecked",
+                missing, missing + len(record.checksums), directory)
 
     return finish
 
