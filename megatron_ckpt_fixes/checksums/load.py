@@ -2,7 +2,8 @@
 
 ``dist_checkpointing.load`` (like torch DCP) never checks the bytes it reads: a flipped bit
 in tensor data loads as a different weight, silently. :func:`verify_checkpoint` re-reads
-every item the record covers, each rank a share balanced by bytes, and agrees on the outcome
+every item the record covers, each rank a share balanced by bytes (and every rank the few
+whole files it covers: ``common.pt``, ``.metadata``, ``metadata.json``, :mod:`.files`), and agrees on the outcome
 (:mod:`megatron_ckpt_fixes.agreement`): a mismatch found by any rank raises the same
 :class:`ChecksumError` on every rank, naming each bad item's key, file and byte range, before
 any rank starts loading. A checkpoint saved without checksums is not an error: the summary
@@ -26,6 +27,7 @@ from torch.distributed.checkpoint import FileSystemReader
 
 from ..agreement import check, describe_failures, gather, rank_and_size
 from ..errors import MegatronCkptFixesError
+from .files import check_files
 from .record import (
     ChecksumSummary,
     check_items,
@@ -60,12 +62,14 @@ def _check_share(checkpoint_dir: str, rank: int, world: int,
     assert record is not None
     mine = share(items, rank, world)
     mismatches, unrecorded = check_items(checkpoint_dir, mine, record)
-    problems = [str(m) for m in mismatches]
+    files, file_problems = check_files(checkpoint_dir, record)  # small: every rank
+    problems = [str(m) for m in mismatches] + list(file_problems.values())
     if required:
         problems += [f"{item}: no checksum recorded; the check was asked for"
                      for item in unrecorded]
     return ChecksumSummary(status, len(items), len(mine) - len(unrecorded), len(unrecorded),
-                           len(mismatches), record.algorithm), problems
+                           len(mismatches), record.algorithm, files,
+                           len(file_problems)), problems
 
 
 def verify_checkpoint(checkpoint_dir: str | os.PathLike, group: Any = None,

@@ -11,7 +11,8 @@ all; the order follows what a load touches:
    directory) names a backend the installed megatron-core loads, and the common state loads
    (``common.pt``, or the ``common_state`` object of megatron-core >= 0.19) — both through
    megatron-core's own functions, so the verdict is the installed version's;
-5. every item's bytes match the checksums recorded at save time (this package's
+5. every item's bytes, and the whole files ``common.pt``, ``.metadata`` and
+   ``metadata.json``, match the checksums recorded at save time (this package's
    ``.checksums.json``), when there are any;
 6. every file matches megatron-core's own integrity manifest (``integrity.json``, SHA-256
    per file, written by megatron-core >= 0.19 with ``verify_integrity=True``), when there is one.
@@ -44,6 +45,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
+from ..checksums.files import check_files
 from ..checksums.manifest import (
     MANIFEST,
     THREADS,
@@ -103,7 +105,9 @@ class Report:
         """The kinds of record whose checksums were checked."""
         kinds = []
         if self.checksums is not None and self.checksums.status == "verified":
-            kinds.append(f"{SIDECAR} ({self.checksums.algorithm} per item)")
+            kinds.append(f"{SIDECAR} ({self.checksums.algorithm} per item"
+                         + (f" and per file, {self.checksums.files} file(s)"
+                            if self.checksums.files else "") + ")")
         if self.manifest is not None:
             kinds.append(f"{MANIFEST} (megatron-core's, {self.manifest.algorithm} per file)")
         return kinds
@@ -304,8 +308,11 @@ def checksum_problems(metadata: Metadata, checkpoint_dir: str, record: ChecksumR
                                     f"{_chunk(m.item.chunk)}", m.item.file, _DAMAGE[m.kind])
                 for m in mismatches
                 if m.kind not in ("missing", "short")]  # storage_problems names those
+    files, file_problems = check_files(checkpoint_dir, record)
+    problems += [Problem("whole file", line) for line in file_problems.values()]
     return problems, ChecksumSummary(status, len(items), len(items) - len(unrecorded),
-                                     len(unrecorded), len(mismatches), record.algorithm)
+                                     len(unrecorded), len(mismatches), record.algorithm,
+                                     files, len(file_problems))
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,21 @@ def read_metadata(ckpt: Path) -> Metadata:
 
 
 def write_metadata(ckpt: Path, metadata: Metadata) -> None:
+    """``.metadata`` as another writer would have written it (the record agrees)."""
     with open(ckpt / ".metadata", "wb") as f:
         pickle.dump(metadata, f)
+    rerecord(ckpt, ".metadata")
+
+
+def rerecord(ckpt: str | os.PathLike, name: str) -> None:
+    """Surgery on a whole file stands for a save that wrote it so: the checksum record, where
+    it covers the file, takes the file's new bytes (a changed byte is then not the news)."""
+    from megatron_ckpt_fixes.checksums.files import read_back
+    from megatron_ckpt_fixes.checksums.record import read_record, write_record
+
+    record = read_record(ckpt)
+    if record is not None and name in record.whole_files:
+        write_record(ckpt, record.with_files({name: read_back(os.path.join(ckpt, name))}))
 
 
 def storage_entry(ckpt: Path, key: str, chunk: tuple[int, ...] | None = None):

@@ -15,6 +15,7 @@ from collections.abc import Callable
 
 import torch
 import torch.distributed.checkpoint as dcp
+from ckpt_files import rerecord
 
 #: ``(member name, member bytes) -> (new bytes, zip compression)`` for each member of a record.
 Change = Callable[[str, bytes], tuple[bytes, int]]
@@ -28,8 +29,10 @@ def storage(ckpt: str, key: str, first_row: int = 0) -> tuple[object, object]:
 
 
 def write_metadata(ckpt: str, metadata: object) -> None:
+    """``.metadata`` as another writer would have written it (the record agrees)."""
     with open(os.path.join(ckpt, ".metadata"), "wb") as f:
         pickle.dump(metadata, f)
+    rerecord(ckpt, ".metadata")
 
 
 def rewrite_record(ckpt: str, key: str, change: Change, first_row: int = 0) -> None:

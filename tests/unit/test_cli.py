@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from ckpt_files import flip_tensor_byte, read_metadata, storage_entry, write_metadata
+from ckpt_files import flip_tensor_byte, read_metadata, rerecord, storage_entry, write_metadata
 from packaging.version import Version
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
@@ -140,7 +140,9 @@ def test_a_complete_checkpoint_verifies(ckpt, capsys):
         r"verify: \d+\.\d\d GiB read in \d+\.\d s \(\d+\.\d\d GiB/s\)", line)], err
     assert "\r" not in err
     items = len(read_metadata(ckpt).storage_data)
-    assert f"checksums: {items} of {items} item(s) match their xxh3_64 checksums" in lines
+    files = sum((ckpt / name).exists() for name in ("common.pt", ".metadata", "metadata.json"))
+    assert (f"checksums: {items} of {items} item(s) match their xxh3_64 checksums; {files} of "
+            f"{files} whole file(s) (common state, metadata) match") in lines, lines
     assert lines[-1].endswith("OK")
     assert main(["inspect", str(ckpt)]) == 0
     out = capsys.readouterr().out.splitlines()
@@ -286,6 +288,7 @@ def test_megatron_metadata_json(ckpt, capsys, content, says):
         (ckpt / "metadata.json").unlink()
     else:
         (ckpt / "metadata.json").write_text(content)
+        rerecord(ckpt, "metadata.json")  # as a save that wrote it so
     code, lines, _ = _verify(capsys, ckpt)
     assert code == 1 and len(_problems(lines)) == 1 and _problems(lines)[0].startswith(says)
 
@@ -326,8 +329,8 @@ def test_a_flipped_byte_is_named_with_key_and_file(ckpt, capsys):
     assert problem.endswith(f"in {file} at bytes {info.offset}..{info.offset + info.length} "
                             "(chunk at (0, 0))")
     items = len(read_metadata(ckpt).storage_data)
-    assert (f"checksums: {items - 1} of {items} item(s) match their xxh3_64 checksums, "
-            "1 do not") in lines
+    assert any(line.startswith(f"checksums: {items - 1} of {items} item(s) match their "
+                               "xxh3_64 checksums, 1 do not; ") for line in lines), lines
 
 
 def test_without_checksums_verify_says_absent(saved, capsys):
@@ -355,8 +358,9 @@ def test_megatron_cores_integrity_manifest_is_checked(saved, capsys):
     assert code == 0 and not _problems(lines), lines
     assert (f"integrity.json: {len(names)} of {len(names)} file(s) match their sha256 digests "
             "(megatron-core's integrity manifest)") in lines
-    assert ("records checked: .checksums.json (xxh3_64 per item), integrity.json "
-            "(megatron-core's, sha256 per file)") in lines
+    files = sum((ckpt / name).exists() for name in ("common.pt", ".metadata", "metadata.json"))
+    assert (f"records checked: .checksums.json (xxh3_64 per item and per file, {files} "
+            "file(s)), integrity.json (megatron-core's, sha256 per file)") in lines
     assert _upstream_verdict(ckpt) == ("ok" if _integrity_flag() else None)
 
 
