@@ -9,7 +9,8 @@ the cause (which names the key). A checkpoint that a newer megatron-core wrote, 
 this one cannot read, is one line instead, the same on every rank: what happened and what is
 missing (:mod:`.newer_checkpoint`); so is ``load_common_state_dict`` on such a checkpoint,
 which training flows call first. A template whose dtype would round saved values is refused
-the same way, before any tensor data is read (:mod:`.load_casts`).
+the same way, before any tensor data is read (:mod:`.load_casts`), and so is a ``.metadata``
+that differs from its recorded checksum (:mod:`.checksums.file_reader`).
 
 The raised error keeps the class upstream raised: it is built as a subclass of both
 :class:`CheckpointLoadError` and the class the (lowest) failing rank saw, so
@@ -30,6 +31,8 @@ from torch.distributed.checkpoint import CheckpointException
 from . import load_casts
 from ._patching import Patch
 from .agreement import agree, check, rank_and_size
+from .checksums.files import FileChecksumError
+from .checksums.record import RecordError
 from .errors import MegatronCkptFixesError
 from .messages import shorten
 from .newer_checkpoint import PREFIX as NEWER_WRITER
@@ -160,13 +163,18 @@ def _release_failed_load(exc: BaseException) -> None:
 
 
 def _lossy_cast(sharded_state_dict: Any, checkpoint_dir: Any) -> str | None:
-    """This rank's cause for refusing a load that would round saved values (:mod:`.load_casts`);
-    None also when the checkpoint's metadata cannot be read (the load itself says why)."""
+    """This rank's cause for refusing a load that would round saved values (:mod:`.load_casts`),
+    or whose ``.metadata`` (or checksum record) is not what was saved: found here, where it is
+    first read, the cause keeps its class (torch DCP's load would fold it into an
+    ``AssertionError``); None also when the metadata cannot be read for another reason (the
+    load itself says why)."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
     from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
     try:
         saved = load_casts.saved_dtypes(checkpoint_dir)
+    except (FileChecksumError, RecordError) as exc:
+        return _cause(exc)
     except Exception:  # noqa: BLE001 - reported by the load that follows
         return None
     tensors = [v for v in nested_values(sharded_state_dict) if isinstance(v, ShardedTensor)]

@@ -285,3 +285,67 @@ def test_a_forked_writer_process_starts_its_own_helper_threads(tmp_path):
     child_dir.mkdir()
     with multiprocessing.get_context("fork").Pool(1) as pool:
         assert pool.apply_async(_deferred_checksum_ok, (str(child_dir),)).get(timeout=120)
+
+
+# -- whole files and the record's own checksum -------------------------------------------------
+
+def _record_with_files() -> ChecksumRecord:
+    return ChecksumRecord("save-1", {("__0_0.distcp", 0): (10, 0xABC), ("__0_0.distcp", 10): (5, 7)},
+                          whole_files={".metadata": (120, 0x1234), "common.pt": (900, 0xFFFF)})
+
+
+@pytest.mark.varies_with()
+def test_a_record_with_whole_files_round_trips_with_its_own_checksum():
+    record = _record_with_files()
+    text = record.to_json()
+    assert json.loads(text)["digest"]  # its own checksum, written with it
+    assert ChecksumRecord.from_json(text) == record
+
+
+@pytest.mark.varies_with()
+def test_every_flipped_bit_of_a_record_is_an_error_naming_the_record():
+    """Not a false item mismatch, not a pass: whichever byte changes (a value, a key, the
+    checksum itself), reading the record fails and says which file is bad."""
+    text = _record_with_files().to_json().encode()
+    for at in range(len(text)):
+        for bit in (0x01, 0x20):
+            flipped = bytearray(text)
+            flipped[at] ^= bit
+            with pytest.raises(RecordError, match=r"^\.checksums\.json is unreadable: "):
+                ChecksumRecord.from_json(flipped.decode("latin-1"))
+
+
+@pytest.mark.varies_with()
+def test_a_record_from_before_file_checksums_still_reads():
+    """Written by the previous release: no whole files, no checksum of its own."""
+    doc = json.loads(_record_with_files().to_json())
+    del doc["digest"], doc["whole_files"]
+    record = ChecksumRecord.from_json(json.dumps(doc))
+    assert record.whole_files == {} and record.checksums == _record_with_files().checksums
+    doc["whole_files"] = {}  # but file checksums without its own checksum are refused
+    with pytest.raises(RecordError, match="no checksum of its own"):
+        ChecksumRecord.from_json(json.dumps(doc))
+
+
+@pytest.mark.varies_with()
+def test_a_whole_file_is_judged_by_its_bytes(tmp_path):
+    from megatron_ckpt_fixes.checksums.files import (
+        FileChecksumError,
+        check_file,
+        check_files,
+        checksum_of_bytes,
+    )
+
+    data = b"\x80\x04 a pickle of every item's place"
+    record = ChecksumRecord("s", {}, whole_files={".metadata": (len(data),
+                                                                checksum_of_bytes(data))})
+    check_file(record, ".metadata", data)
+    check_file(record, "common.pt", b"not covered: read as before")
+    with pytest.raises(FileChecksumError, match=rf"^\.metadata \(bytes 0\.\.{len(data)}\): "
+                                                r"checksum mismatch \(recorded xxh3_64 "):
+        check_file(record, ".metadata", data[:-1] + b"X")
+    (tmp_path / ".metadata").write_bytes(data[:-1])
+    checked, problems = check_files(tmp_path, record)
+    assert checked == 1 and problems == {".metadata": f".metadata (bytes 0..{len(data) - 1}): "
+                                         f"the record says {len(data)} bytes, the file has "
+                                         f"{len(data) - 1}"}
