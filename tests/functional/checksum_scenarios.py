@@ -19,7 +19,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ckpt_files import flip_tensor_byte
+from ckpt_files import change_bytes, flip_tensor_byte
 
 ROWS = 4
 
@@ -93,7 +93,9 @@ def _verify(path: str, required: bool = False) -> dict[str, Any]:
     except BaseException as exc:  # noqa: BLE001 - the class and message are the result
         return _failure(exc)
     return {"status": summary.status, "items": summary.items, "checked": summary.checked,
-            "unrecorded": summary.unrecorded}
+            "unrecorded": summary.unrecorded, "files": summary.files,
+            "present": sum(os.path.exists(os.path.join(path, name))
+                           for name in ("common.pt", ".metadata", "metadata.json"))}
 
 
 def _load_exact(path: str, rank: int, ws: int) -> bool:
@@ -148,6 +150,20 @@ def checksum_worker(rank: int, ws: int, root: str) -> dict[str, Any]:
         out["flipped_file"] = flip_tensor_byte(Path(corrupt), "w", (ROWS, 0))
     dist.barrier()
     out["corrupt"] = {**_verify(corrupt), "patched_load": _load(corrupt, rank, ws)}
+
+    # A changed byte in .metadata (a key's name) and in common.pt (the step, megatron-core
+    # 0.16; 0.19+ writes none): every rank's load fails naming the file, before parsing it.
+    for name, old, new, after in ((".metadata", b"emb", b"emc", b""),
+                                  ("common.pt", bytes([0x4B, 7]), bytes([0x4B, 8]), b"step")):
+        changed = os.path.join(root, f"changed{name}")
+        if rank == 0:
+            shutil.copytree(os.path.join(root, "sync"), changed)
+            if os.path.exists(os.path.join(changed, name)):
+                change_bytes(os.path.join(changed, name), old, new, after)
+        dist.barrier()
+        if os.path.exists(os.path.join(changed, name)):
+            out[f"changed {name}"] = {**_load(changed, rank, ws),
+                                      "size": os.path.getsize(os.path.join(changed, name))}
     megatron_ckpt_fixes.uninstall()
     megatron_ckpt_fixes.install(["compat.cpu"])  # plain upstream: its load checks nothing
     out["corrupt"]["upstream_load_exact"] = _load_exact(corrupt, rank, ws)

@@ -61,3 +61,11 @@ def flip_tensor_byte(ckpt: Path, key: str, chunk: tuple[int, ...]) -> str:
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 0x40]))
     return info.relative_path
+
+
+def change_bytes(path: str | os.PathLike, old: bytes, new: bytes, after: bytes = b"") -> None:
+    """Replace the first ``old`` (after the first ``after``) in the file by ``new``, in place:
+    a changed byte a load would otherwise read as saved."""
+    data = Path(path).read_bytes()
+    at = data.index(old, data.index(after) if after else 0)
+    Path(path).write_bytes(data[:at] + new + data[at + len(old):])

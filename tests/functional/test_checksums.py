@@ -6,7 +6,9 @@ checksums feature every save (sync, async, fully-parallel) records a checksum of
 the plain load checks every item it reads and fails on every rank naming the key, the file,
 the byte range and the rank; ``verify_checkpoint`` finds a flip in any item (also one this
 rank would not load) on every rank; a checkpoint saved without checksums still loads, unless
-the check was asked for (``required=True``): then it fails closed.
+the check was asked for (``required=True``): then it fails closed. The whole files a load
+reads are covered too: a changed byte in ``.metadata`` or ``common.pt`` fails every rank's
+load naming the file (tests/unit/test_checksum_files.py has the single-rank twins).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ def test_every_saved_item_is_checksummed_and_matches(outcomes, run):
         assert result.get("error") is None, f"rank {rank}: {result}"
         assert result["sidecar"] and result["status"] == "verified", result
         assert result["unrecorded"] == 0 and result["checked"] == result["items"], result
+        assert result["files"] == result["present"] >= 2, result  # .metadata, metadata.json
         assert result["exact"], f"rank {rank}: {run} did not load back exactly"
 
 
@@ -101,3 +104,18 @@ def test_a_checkpoint_without_checksums_fails_a_check_that_was_asked_for(outcome
     assert errors[0]["error"] == errors[1]["error"] and "ChecksumError" in errors[0]["classes"]
     assert "rank 0: absent (.checksums.json missing: saved without the checksums feature); " \
            "the check was asked for" in errors[0]["error"], errors[0]
+
+
+@pytest.mark.parametrize("name", [".metadata", "common.pt"])
+def test_a_changed_byte_in_a_whole_file_fails_every_rank_naming_it(outcomes, name):
+    """Before the file is parsed: the same one-line cause as an item's, on every rank."""
+    if f"changed {name}" not in outcomes[0]:
+        pytest.skip(f"this megatron-core writes no {name}")
+    errors = [out[f"changed {name}"] for out in outcomes]
+    assert errors[0]["error"] == errors[1]["error"], "ranks disagree"
+    message = errors[0]["error"]
+    for rank in range(WS):
+        assert f"rank {rank}: FileChecksumError: {name} (bytes 0..{errors[0]['size']}): " \
+               "checksum mismatch (recorded xxh3_64 " in message, message
+    for error in errors:
+        assert "CheckpointLoadError" in error["classes"]

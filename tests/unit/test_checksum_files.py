@@ -24,6 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import xxhash
+from ckpt_files import change_bytes
 
 import megatron_ckpt_fixes
 from megatron_ckpt_fixes.testing import init_test_group
@@ -97,12 +98,6 @@ def _needs_common_pt(path: Path) -> None:
         pytest.skip("this megatron-core saves the common state as an item (no common.pt)")
 
 
-def _change(path: Path, old: bytes, new: bytes, after: bytes = b"") -> None:
-    data = (path).read_bytes()
-    at = data.index(old, data.index(after) if after else 0)
-    path.write_bytes(data[:at] + new + data[at + len(old):])
-
-
 def test_each_file_is_recorded_as_its_bytes_on_disk(group, tmp_path):
     """Not a re-pickle: the common state pickles differently every time."""
     from megatron.core import dist_checkpointing as dc
@@ -123,7 +118,7 @@ def test_each_file_is_recorded_as_its_bytes_on_disk(group, tmp_path):
 def test_upstream_loads_a_changed_step_in_common_pt_silently(saved, tmp_path):
     _needs_common_pt(saved)
     path = _copy(saved, tmp_path)
-    _change(path / "common.pt", bytes([0x4B, STEP]), bytes([0x4B, STEP + 1]), after=b"step")
+    change_bytes(path / "common.pt", bytes([0x4B, STEP]), bytes([0x4B, STEP + 1]), after=b"step")
     assert _load(path, ["compat.cpu"])["step"] == STEP + 1  # the resume's wrong iteration
     error = _load(path)
     assert isinstance(error, BaseException), error
@@ -136,7 +131,7 @@ def test_a_garbled_common_pt_is_our_error_not_torchs(saved, tmp_path):
     """Checked before torch.load: the archive torch cannot even open is named by its bytes."""
     _needs_common_pt(saved)
     path = _copy(saved, tmp_path)
-    _change(path / "common.pt", b"PK\x03\x04", b"PK\x03\x05")
+    change_bytes(path / "common.pt", b"PK\x03\x04", b"PK\x03\x05")
     upstream = _load(path, ["compat.cpu"])
     assert isinstance(upstream, BaseException) and "FileChecksumError" not in str(upstream)
     error = str(_load(path))
@@ -147,8 +142,7 @@ def test_a_garbled_common_pt_is_our_error_not_torchs(saved, tmp_path):
 def test_a_changed_byte_in_metadata_fails_before_it_is_unpickled(saved, tmp_path):
     path = _copy(saved, tmp_path)
     data = (path / ".metadata").read_bytes()
-    at = data.index(b"w") + 1  # in the item's name: a missing key, upstream
-    (path / ".metadata").write_bytes(data[:at - 1] + b"x" + data[at:])
+    change_bytes(path / ".metadata", b"w", b"x")  # in the item's name: a missing key, upstream
     assert isinstance(_load(path, ["compat.cpu"]), BaseException)
     error = str(_load(path))
     assert f"rank 0: FileChecksumError: .metadata (bytes 0..{len(data)}): checksum mismatch" \
@@ -158,7 +152,7 @@ def test_a_changed_byte_in_metadata_fails_before_it_is_unpickled(saved, tmp_path
 
 def test_a_changed_byte_in_metadata_json_fails_before_it_is_parsed(saved, tmp_path):
     path = _copy(saved, tmp_path)
-    _change(path / "metadata.json", b"torch_dist", b"torch_disT")
+    change_bytes(path / "metadata.json", b"torch_dist", b"torch_disT")
     error = str(_load(path))
     assert "FileChecksumError: metadata.json (bytes 0.." in error, error
 
@@ -183,7 +177,7 @@ def test_a_record_from_before_file_checksums_loads_with_items_checked(saved, tmp
     doc = _record(path)
     del doc["digest"], doc["whole_files"]
     (path / ".checksums.json").write_text(json.dumps(doc))
-    _change(path / "metadata.json", b"torch_dist", b"torch_dist")  # unchanged, unchecked
+    change_bytes(path / "metadata.json", b"torch_dist", b"torch_dist")  # unchanged, unchecked
     loaded = _load(path)
     assert not isinstance(loaded, BaseException), loaded
     assert torch.equal(loaded["w"], torch.full((4, 3), 1.0)) and loaded["step"] == STEP
@@ -195,7 +189,7 @@ def test_verify_counts_and_names_the_files(saved, tmp_path):
     report = verify(str(saved))
     assert not report.problems and report.checksums.files == len(_record(saved)["whole_files"])
     path = _copy(saved, tmp_path)
-    _change(path / "metadata.json", b"torch_dist", b"torch_disT")
+    change_bytes(path / "metadata.json", b"torch_dist", b"torch_disT")
     report = verify(str(path))
     assert any(str(p).startswith("whole file: metadata.json (bytes 0..")
                for p in report.problems), report.problems
