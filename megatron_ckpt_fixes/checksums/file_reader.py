@@ -27,6 +27,7 @@ import os
 from typing import Any, Callable
 
 from .._patching import Patch
+from .file_writer import LOAD_BY_CLASS, LOAD_BY_FUNCTION
 from .files import COMMON, CONFIG, METADATA, belongs, check_file
 from .reader import record_of_reader
 from .record import read_record
@@ -130,6 +131,20 @@ def _metadata_path_problems() -> list[str]:
             if name not in names]
 
 
+def _validation_without_config() -> str | None:
+    """Not needed where no function of ``validation`` calls ``maybe_load_config`` by its own
+    name (0.19+ reads the config through ``core``)."""
+    import inspect
+
+    from megatron.core.dist_checkpointing import validation
+
+    if any("maybe_load_config" in f.__code__.co_names
+           for f in vars(validation).values()
+           if inspect.isfunction(f) and f.__module__ == validation.__name__):
+        return None
+    return "validation does not call maybe_load_config by name here: core's patch covers it"
+
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="checksums.read_metadata",
@@ -145,7 +160,7 @@ PATCHES: tuple[Patch, ...] = (
         target=f"{_COMMON_MODULE}:TorchCommonLoadStrategy",
         attr="load_common",
         build=checked_load_common,
-        optional=True,
+        not_needed=LOAD_BY_CLASS,
         why="common.pt (megatron-core 0.16's common state) is checked against its recorded "
             "checksum before torch.load",
     ),
@@ -155,7 +170,7 @@ PATCHES: tuple[Patch, ...] = (
         attr="load_common",
         build=checked_load_common,
         aliases=("megatron.core.dist_checkpointing.serialization",),
-        optional=True,
+        not_needed=LOAD_BY_FUNCTION,
         why="a common.pt (a checkpoint of megatron-core 0.16, loaded by 0.19+) is checked "
             "against its recorded checksum before torch.load",
     ),
@@ -171,7 +186,7 @@ PATCHES: tuple[Patch, ...] = (
         target="megatron.core.dist_checkpointing.validation",
         attr="maybe_load_config",
         build=checked_load_config,
-        optional=True,
+        not_needed=_validation_without_config,
         why="metadata.json, read by megatron-core 0.16's validation, is checked before it "
             "is parsed",
     ),

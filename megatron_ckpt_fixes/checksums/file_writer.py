@@ -101,13 +101,37 @@ def recording_save_config(original: Callable[..., None]) -> Callable[..., None]:
     return save_config
 
 
+def _strategy_classes(name: str, wanted: bool, why: str) -> Callable[[], str | None]:
+    """``not_needed`` of a patch of one way to write or read ``common.pt``: megatron-core
+    0.16 does it in its strategy class ``name``, 0.19+ (the common state is an item; a legacy
+    common.pt only) in module functions. A patch of the way this release does not have is
+    not needed (``wanted``: the patch is of the class's method)."""
+
+    def not_needed() -> str | None:
+        import importlib
+
+        has_class = hasattr(importlib.import_module(_COMMON_MODULE), name)
+        return None if has_class == wanted else why
+
+    return not_needed
+
+
+_BY_FUNCTIONS = ("no common-state strategy classes here: the common state is saved as an "
+                 "item, a legacy common.pt goes through the module's functions")
+_BY_CLASSES = "common.pt goes through the common-state strategy classes here"
+#: ``not_needed`` of the patches of the strategy classes' methods, and of the functions.
+SAVE_BY_CLASS = _strategy_classes("TorchCommonSaveStrategy", True, _BY_FUNCTIONS)
+SAVE_BY_FUNCTION = _strategy_classes("TorchCommonSaveStrategy", False, _BY_CLASSES)
+LOAD_BY_CLASS = _strategy_classes("TorchCommonLoadStrategy", True, _BY_FUNCTIONS)
+LOAD_BY_FUNCTION = _strategy_classes("TorchCommonLoadStrategy", False, _BY_CLASSES)
+
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="checksums.save_common_strategy",
         target=f"{_COMMON_MODULE}:TorchCommonSaveStrategy",
         attr="save_common",
         build=recording_save_common,
-        optional=True,
+        not_needed=SAVE_BY_CLASS,
         why="common.pt (megatron-core 0.16's common state) is covered by the checksum of "
             "its bytes as written",
     ),
@@ -116,7 +140,7 @@ PATCHES: tuple[Patch, ...] = (
         target=_COMMON_MODULE,
         attr="save_common",
         build=recording_save_common,
-        optional=True,
+        not_needed=SAVE_BY_FUNCTION,
         why="common.pt written by the deprecated save_common (megatron-core 0.19+) is "
             "covered by the checksum of its bytes as written",
     ),
