@@ -14,6 +14,8 @@ cache.
 - ``.metadata``'s is taken in the patched ``finish`` (:mod:`.writer`), right after upstream's.
 - ``metadata.json`` is written after the record: the patched ``save_config`` adds its checksum
   to the record of this save (the record whose ``.metadata`` checksum matches the file).
+- megatron-core's ``remove_sharded_tensors`` rewrites ``.metadata`` of a saved checkpoint on
+  purpose: the record that covered the old one takes the new one.
 """
 
 from __future__ import annotations
@@ -101,6 +103,29 @@ def recording_save_config(original: Callable[..., None]) -> Callable[..., None]:
     return save_config
 
 
+def rerecording_removal(original: Callable[..., None]) -> Callable[..., None]:
+    """Wrap ``TorchDistLoadShardedStrategy.remove_sharded_tensors`` (megatron-core's own edit
+    of a saved checkpoint: it rewrites ``.metadata`` without the removed keys): a record that
+    covered the old ``.metadata`` covers the new one, so the edited checkpoint still loads."""
+
+    @functools.wraps(original)
+    def remove_sharded_tensors(self: Any, checkpoint_dir: Any, *args: Any, **kwargs: Any) -> None:
+        directory = os.fspath(checkpoint_dir)
+        path = os.path.join(directory, METADATA)
+        try:
+            record = read_record(directory)
+        except RecordError:
+            record = None  # left as it is: a load names it
+        before = read_back(path)
+        original(self, checkpoint_dir, *args, **kwargs)
+        after = read_back(path)
+        if (record is not None and after != before and after is not None
+                and record.whole_files.get(METADATA) == before):
+            write_record(directory, record.with_files({METADATA: after}))
+
+    return remove_sharded_tensors
+
+
 def _strategy_classes(name: str, wanted: bool, why: str) -> Callable[[], str | None]:
     """``not_needed`` of a patch of one way to write or read ``common.pt``: megatron-core
     0.16 does it in its strategy class ``name``, 0.19+ (the common state is an item; a legacy
@@ -143,6 +168,14 @@ PATCHES: tuple[Patch, ...] = (
         not_needed=SAVE_BY_FUNCTION,
         why="common.pt written by the deprecated save_common (megatron-core 0.19+) is "
             "covered by the checksum of its bytes as written",
+    ),
+    Patch(
+        name="checksums.remove_sharded_tensors",
+        target="megatron.core.dist_checkpointing.strategies.torch:TorchDistLoadShardedStrategy",
+        attr="remove_sharded_tensors",
+        build=rerecording_removal,
+        why="a checkpoint edited by megatron-core's remove_sharded_tensors keeps a record of "
+            "its new .metadata",
     ),
     Patch(
         name="checksums.save_config",
