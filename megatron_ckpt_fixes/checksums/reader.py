@@ -34,7 +34,7 @@ from .._patching import Patch
 from ..agreement import rank_and_size
 from ..errors import MegatronCkptFixesError
 from .algorithms import algorithm
-from .record import SIDECAR, ChecksumRecord, Item, judge, record_status
+from .record import SIDECAR, ChecksumRecord, Item, judge, read_record, record_status
 
 logger = logging.getLogger(__name__)
 
@@ -62,7 +62,12 @@ class LoadChecks:
 
 def record_of_reader(reader: Any) -> ChecksumRecord | None:
     """The record of the checkpoint ``reader`` reads, through its own file system; None when
-    it has none. Raises :class:`.record.RecordError` (unreadable, or not its own checksum)."""
+    it has none. Raises :class:`.record.RecordError` (unreadable, or not its own checksum).
+    torch's local file system: :func:`.record.read_record` (parsed once per load)."""
+    from torch.distributed.checkpoint.filesystem import FileSystem
+
+    if type(reader.fs) is FileSystem:
+        return read_record(reader.path)
     path = reader.fs.concat_path(reader.path, SIDECAR)
     if not reader.fs.exists(path):
         return None
