@@ -349,3 +349,21 @@ def test_a_whole_file_is_judged_by_its_bytes(tmp_path):
     assert checked == 1 and problems == {".metadata": f".metadata (bytes 0..{len(data) - 1}): "
                                          f"the record says {len(data)} bytes, the file has "
                                          f"{len(data) - 1}"}
+
+
+@pytest.mark.varies_with()
+def test_a_record_changed_in_place_is_read_again(tmp_path):
+    """Parsed once per load, but never served from memory once its file changed."""
+    import os
+
+    from megatron_ckpt_fixes.checksums.record import SIDECAR, read_record, write_record
+
+    write_record(tmp_path, _record_with_files())
+    assert read_record(tmp_path) is read_record(tmp_path)  # parsed once
+    path = tmp_path / SIDECAR
+    stat = path.stat()
+    text = path.read_bytes()
+    path.write_bytes(text.replace(b"save-1", b"save-2"))  # same size, same inode
+    os.utime(path, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # clock granularity
+    with pytest.raises(RecordError, match="does not match its own checksum"):
+        read_record(tmp_path)
