@@ -45,7 +45,7 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from ..checksums.files import check_files
+from ..checksums.files import METADATA, check_files
 from ..checksums.manifest import (
     MANIFEST,
     THREADS,
@@ -123,7 +123,20 @@ def read_metadata(checkpoint_dir: str) -> Metadata:
         return FileSystemReader(checkpoint_dir).read_metadata()
     except Exception as exc:  # noqa: BLE001 - any unpickling failure means the same
         raise Unverifiable(f"{checkpoint_dir}/.metadata is unreadable: "
-                           f"{type(exc).__name__}: {exc}") from exc
+                           f"{type(exc).__name__}: {exc}"
+                           f"{_metadata_checksum(checkpoint_dir)}") from exc
+
+
+def _metadata_checksum(checkpoint_dir: str) -> str:
+    """Why an unreadable ``.metadata`` is not what was saved, by the record (when it says)."""
+    try:
+        record = read_record(checkpoint_dir)
+    except RecordError:
+        return ""
+    if record is None:
+        return ""
+    _, problems = check_files(checkpoint_dir, record)
+    return f"; {problems[METADATA]}" if METADATA in problems else ""
 
 
 def is_megatron(checkpoint_dir: str, metadata: Metadata) -> bool:

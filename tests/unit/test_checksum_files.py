@@ -213,3 +213,14 @@ def test_megatron_cores_own_edit_of_metadata_keeps_loading(saved, tmp_path):
     loaded = _load(path)
     assert not isinstance(loaded, BaseException), loaded
     assert torch.equal(loaded["w"], torch.full((4, 3), 1.0))
+
+
+def test_verify_of_an_unreadable_metadata_says_it_is_not_what_was_saved(saved, tmp_path):
+    from megatron_ckpt_fixes.cli.checks import Unverifiable, verify
+
+    path = _copy(saved, tmp_path)
+    data = (path / ".metadata").read_bytes()
+    (path / ".metadata").write_bytes(data[:len(data) // 2])
+    with pytest.raises(Unverifiable, match=rf"; \.metadata \(bytes 0\.\.{len(data) // 2}\): "
+                                           f"the record says {len(data)} bytes"):
+        verify(str(path))
