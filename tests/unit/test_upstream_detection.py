@@ -29,12 +29,21 @@ THREADED_WRITER = {"writer_failures.threads.collection"}
 FORKED_WRITERS = {"writer_failures.processes.mp", "writer_failures.processes.multiproc"}
 #: No checkpoint after a transient fault: upstream from 0.18 (Megatron-LM PR 3981).
 TRANSIENT_FAULT = {"rerun.transient_fault.should_checkpoint_and_exit"}
+#: common.pt goes through the common-state strategy classes in 0.16, through module functions
+#: from 0.17 on (the common state is an item; a legacy common.pt only): the checksum patches
+#: of the other way do not apply.
+COMMON_BY_CLASSES = {"checksums.save_common", "checksums.load_common"}
+COMMON_BY_FUNCTIONS = {"checksums.save_common_strategy", "checksums.load_common_strategy"}
+#: From 0.17 validation reads metadata.json through core (whose patch checks it), not by its own
+#: name for maybe_load_config.
+CONFIG_IN_CORE = {"checksums.load_config_validation"}
+LATER = FORKED_WRITERS | COMMON_BY_FUNCTIONS | CONFIG_IN_CORE
 #: Patches each release does not need (detected); every other patch must apply there.
 UPSTREAM_HAS = {
-    "0.16.1": THREADED_WRITER,
-    "0.17.1": FORKED_WRITERS,
-    "0.18.2": SENTINEL | FORKED_WRITERS | TRANSIENT_FAULT,
-    "0.19.2": SENTINEL | STATS_REPORT | FORKED_WRITERS | TRANSIENT_FAULT,
+    "0.16.1": THREADED_WRITER | COMMON_BY_CLASSES,
+    "0.17.1": LATER,
+    "0.18.2": SENTINEL | TRANSIENT_FAULT | LATER,
+    "0.19.2": SENTINEL | STATS_REPORT | TRANSIENT_FAULT | LATER,
 }
 PROBE = Path(__file__).with_name("upstream_probe.py")
 
