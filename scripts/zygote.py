@@ -56,22 +56,29 @@ class Zygote:
     def __init__(self, startup_env: dict[str, str], preload: list[str]) -> None:
         self.proc = subprocess.Popen(
             [sys.executable, __file__, *preload], env=startup_env, cwd=HERE,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
-            text=True, bufsize=1)
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL)
+        self._pending = b""  # read from the server, not yet answered
         atexit.register(self.close)
 
     def _answer(self, deadline: float | None) -> dict | None:
-        """The server's next line; None if the deadline passed first."""
-        while True:
+        """The server's next line; None if the deadline passed first. Read from the pipe's
+        descriptor into a buffer of our own: a buffered reader can hold both of a short
+        job's answers after its first line, where ``select`` would then wait for a second
+        line that already came."""
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._pending:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            ready, _, _ = select.select([self.proc.stdout], [], [], left)
-            if ready:
-                line = self.proc.stdout.readline()
-                if not line:
-                    raise ZygoteError(f"the preloaded launcher ended ({self.proc.wait()})")
-                return json.loads(line)
-            if deadline is not None and time.monotonic() >= deadline:
-                return None
+            ready, _, _ = select.select([fd], [], [], left)
+            if not ready:
+                if deadline is not None and time.monotonic() >= deadline:
+                    return None
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                raise ZygoteError(f"the preloaded launcher ended ({self.proc.wait()})")
+            self._pending += chunk
+        line, _, self._pending = self._pending.partition(b"\n")
+        return json.loads(line)
 
     def run(self, script: Path, args: list[str], env: dict[str, str], cwd: Path,
             output: Path, timeout: float) -> int:
@@ -80,7 +87,7 @@ class Zygote:
         ranks) and :class:`subprocess.TimeoutExpired` raised, as ``subprocess.run`` would."""
         request = {"script": str(script), "args": args, "env": env, "cwd": str(cwd),
                    "output": str(output)}
-        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.write(json.dumps(request).encode() + b"\n")
         self.proc.stdin.flush()
         pid = self._answer(None)["pid"]
         answer = self._answer(time.monotonic() + timeout)

@@ -12,7 +12,9 @@ import os
 import signal
 import sys
 import textwrap
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -89,3 +91,19 @@ def test_a_fork_sees_its_own_start(launcher, tmp_path):
     assert report["own_session"] and report["stdin"] == os.devnull
     assert report["fds"] == [0, 1, 2, 3]  # stdio and the listing's own descriptor
     assert report["path0"] == str(launcher[1]) and report["cwd"] == str(tmp_path)
+
+
+def test_both_answers_of_a_short_job_read_at_once_are_both_used():
+    """A job that ends at once: the server's two lines come in one read. Both are answers;
+    waiting on the pipe for the second would time out (seen in CI: the runner taken for a
+    hung one, then every later answer off by one)."""
+    read, write = os.pipe()
+    os.write(write, b'{"pid": 12}\n{"exit_code": 3}\n')
+    client = object.__new__(zygote.Zygote)
+    client.proc, client._pending = SimpleNamespace(stdout=os.fdopen(read, "rb")), b""
+    try:
+        assert client._answer(None) == {"pid": 12}
+        assert client._answer(time.monotonic() + 2.0) == {"exit_code": 3}
+    finally:
+        client.proc.stdout.close()
+        os.close(write)
