@@ -162,8 +162,9 @@ def _release_failed_load(exc: BaseException) -> None:
                     for f in (getattr(error, "failures", None) or {}).values()]
 
 
-def _lossy_cast(sharded_state_dict: Any, checkpoint_dir: Any) -> str | None:
-    """This rank's cause for refusing a load that would round saved values (:mod:`.load_casts`),
+def _refusal(sharded_state_dict: Any, checkpoint_dir: Any) -> str | None:
+    """This rank's cause for refusing a load from what ``.metadata`` says, before any tensor
+    data is read: it would round saved values (:mod:`.load_casts`),
     or whose ``.metadata`` (or checksum record) is not what was saved: found here, where it is
     first read, the cause keeps its class (torch DCP's load would fold it into an
     ``AssertionError``); None also when the metadata cannot be read for another reason (the
@@ -181,9 +182,9 @@ def _lossy_cast(sharded_state_dict: Any, checkpoint_dir: Any) -> str | None:
     return load_casts.lossy_cast_error(load_casts.casts(tensors, saved))
 
 
-def _refuse_casts(checkpoint_dir: Any, cause: str | None) -> None:
-    """Every rank raises the same error if any rank's template would round saved values,
-    before any rank reads tensor data (collective)."""
+def _refuse(checkpoint_dir: Any, cause: str | None) -> None:
+    """Every rank raises the same error if any rank has a cause (:func:`_refusal`), before any
+    rank reads tensor data (collective)."""
     from megatron.core.dist_checkpointing.core import CheckpointingException
 
     def raise_as(_what: str, causes: dict[int, str]) -> BaseException:
@@ -196,7 +197,7 @@ def clear_load_errors(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def load(sharded_state_dict: Any, checkpoint_dir: Any, *args: Any, **kwargs: Any) -> Any:
         rank = rank_and_size()[0]
-        _refuse_casts(checkpoint_dir, _lossy_cast(sharded_state_dict, checkpoint_dir))
+        _refuse(checkpoint_dir, _refusal(sharded_state_dict, checkpoint_dir))
         report: tuple[str, dict[int, str]] | None = None
         failures: dict[int, Any] = {}
         result = None
