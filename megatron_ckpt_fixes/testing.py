@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import logging
 import os
+import pickle
 import queue as queue_mod
 import tempfile
 import time
@@ -129,6 +130,20 @@ def _context() -> Any:
     return ctx
 
 
+def send_result(results: Any, result: RankResult) -> None:
+    """Put ``result`` on the ranks' queue by value (plain pickle), not as torch's
+    multiprocessing pickler would: that one passes a tensor's storage as a file descriptor that
+    the parent fetches from the rank's own process, which a rank that has already exited no
+    longer serves (CI on a loaded machine: ``FileNotFoundError`` in ``resource_sharer`` while
+    reading a rank's result)."""
+    results.put(pickle.dumps(result))
+
+
+def receive_result(results: Any, timeout: float) -> RankResult:
+    """The next result :func:`send_result` put on ``results``."""
+    return pickle.loads(results.get(timeout=timeout))
+
+
 def _worker(rank: int, world_size: int, init_method: str, fn: Callable, args: tuple,
             collective_timeout_s: float, results: Any, env: dict[str, str] | None) -> None:
     if env is not None:  # forked: the fork server's variables, the caller's instead
@@ -139,10 +154,11 @@ def _worker(rank: int, world_size: int, init_method: str, fn: Callable, args: tu
                     datetime.timedelta(seconds=collective_timeout_s))
     try:
         value = fn(rank, world_size, *args)
-        results.put(RankResult(rank, value))
+        send_result(results, RankResult(rank, value))
     except BaseException as exc:  # CheckpointException derives from BaseException
-        results.put(RankResult(rank, None, type(exc).__name__, str(exc), traceback.format_exc(),
-                               tuple(cls.__name__ for cls in type(exc).__mro__)))
+        send_result(results, RankResult(rank, None, type(exc).__name__, str(exc),
+                                        traceback.format_exc(),
+                                        tuple(cls.__name__ for cls in type(exc).__mro__)))
     finally:
         dist.destroy_process_group()
 
@@ -174,7 +190,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, timeout_s: fl
         pending = world_size
         while pending and time.monotonic() < deadline:
             try:
-                res = results_q.get(timeout=0.5)
+                res = receive_result(results_q, timeout=0.5)
             except queue_mod.Empty:
                 if all(not p.is_alive() for p in procs) and results_q.empty():
                     break

@@ -8,10 +8,12 @@ from __future__ import annotations
 import os
 
 import psutil
+import torch
+import torch.multiprocessing as mp
 
 from megatron_ckpt_fixes import _after_import
 from megatron_ckpt_fixes.activation import ENV, TRIGGER
-from megatron_ckpt_fixes.testing import run_ranks
+from megatron_ckpt_fixes.testing import RankResult, receive_result, run_ranks, send_result
 
 
 def _seen(rank: int, world_size: int) -> dict:
@@ -40,3 +42,19 @@ def test_each_call_gives_its_ranks_the_callers_environment(monkeypatch, tmp_path
     later = [r.value for r in run_ranks(_seen, 2)]
     assert all(v["var"] == "set later" and v["sitecustomize"] == "ran" for v in later), later
     assert all(v["armed"] >= 1 for v in later), later  # the hook waits for megatron.core
+
+
+def _send_and_exit(results) -> None:
+    send_result(results, RankResult(0, torch.arange(4.0)))
+
+
+def test_a_tensor_result_is_read_after_its_rank_exited():
+    """torch's multiprocessing pickler would hand the tensor over as a descriptor that the
+    exited rank no longer serves (FileNotFoundError in the parent's read); by value it reads."""
+    ctx = mp.get_context("fork")
+    results = ctx.Queue()
+    proc = ctx.Process(target=_send_and_exit, args=(results,))
+    proc.start()
+    proc.join()
+    got = receive_result(results, timeout=30)
+    assert torch.equal(got.value, torch.arange(4.0))
