@@ -15,6 +15,7 @@ import logging
 import os
 import pickle
 import queue as queue_mod
+import sys
 import tempfile
 import time
 import traceback
@@ -144,12 +145,41 @@ def receive_result(results: Any, timeout: float) -> RankResult:
     return pickle.loads(results.get(timeout=timeout))
 
 
+#: megatron-core's module holding the queue its checkpoint writers report to.
+_FILESYSTEM_ASYNC = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+_write_results_manager: Any = None
+
+
+def _fork_write_results_manager() -> None:
+    """Start the Manager behind megatron-core's write-results queue by forking this rank.
+
+    megatron-core starts it with ``spawn`` at a rank's first save: a new interpreter that
+    imports torch when the first result reaches it, several seconds of CPU per rank and most
+    of a short test's time (every releases' module keeps it in ``_results_queue``). A fork of
+    the rank, still single-threaded here (before its process group starts), has torch already.
+    Where to start a Manager is no part of what the tests prove: the queue, its proxies and
+    every checkpoint path are upstream's. Only where the fork server preloaded the module."""
+    global _write_results_manager
+    module = sys.modules.get(_FILESYSTEM_ASYNC)
+    if module is not None and getattr(module, "_results_queue", "absent") is None:
+        _write_results_manager = mp.get_context("fork").Manager()
+        module._results_queue = _write_results_manager.Queue()
+
+
+def write_results_manager_pid() -> int | None:
+    """The process of this rank's write-results Manager (:func:`_fork_write_results_manager`),
+    a fork of the rank with its command line: tests that look for the rank's forked checkpoint
+    writers leave it out."""
+    return None if _write_results_manager is None else _write_results_manager._process.pid
+
+
 def _worker(rank: int, world_size: int, init_method: str, fn: Callable, args: tuple,
             collective_timeout_s: float, results: Any, env: dict[str, str] | None) -> None:
     if env is not None:  # forked: the fork server's variables, the caller's instead
         os.environ.clear()
         os.environ.update(env)
     torch.set_num_threads(1)
+    _fork_write_results_manager()
     init_test_group(rank, world_size, init_method,
                     datetime.timedelta(seconds=collective_timeout_s))
     try:

@@ -47,6 +47,8 @@ import psutil
 import torch
 import torch.distributed as dist
 
+from megatron_ckpt_fixes.testing import write_results_manager_pid
+
 #: Seconds a save may take at most, on a loaded machine (a hang that no stack shows).
 DEADLINE_S = 120.0
 #: Seconds to let the writers reach the named pipe (and the other writer finish).
@@ -122,12 +124,14 @@ def applicable(name: str) -> bool:
 
 
 def _forked_children(pid: int) -> list[psutil.Process]:
-    """Live processes forked by ``pid`` (same command line: not spawned helpers)."""
+    """Live processes forked by ``pid`` (same command line: not spawned helpers), but for
+    the rank's write-results Manager (forked too)."""
     parent = psutil.Process(pid)
     found = []
     for child in parent.children():
         try:
-            if child.status() != psutil.STATUS_ZOMBIE and child.cmdline() == parent.cmdline():
+            if child.pid != write_results_manager_pid() and \
+                    child.status() != psutil.STATUS_ZOMBIE and child.cmdline() == parent.cmdline():
                 found.append(child)
         except psutil.NoSuchProcess:
             pass
