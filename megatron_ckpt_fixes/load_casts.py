@@ -87,10 +87,15 @@ def saved_dtypes(checkpoint_dir: Any) -> dict[str, torch.dtype]:
     if not (Path(checkpoint_dir) / ".metadata").exists():
         return {}
     from torch.distributed.checkpoint import FileSystemReader
+
+    return dtypes_of(FileSystemReader(str(checkpoint_dir)).read_metadata().state_dict_metadata)
+
+
+def dtypes_of(saved: dict[str, Any]) -> dict[str, torch.dtype]:
+    """Each tensor key's dtype from a ``.metadata``'s ``state_dict_metadata``."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    metadata = FileSystemReader(str(checkpoint_dir)).read_metadata()
-    return {key: entry.properties.dtype for key, entry in metadata.state_dict_metadata.items()
+    return {key: entry.properties.dtype for key, entry in saved.items()
             if isinstance(entry, TensorStorageMetadata)}
 
 
