@@ -54,7 +54,9 @@ class Finding:
     kind: str = LOAD
 
     def __str__(self) -> str:
-        return f"{self.key!r}: {self.cause}"
+        """A key's finding names the key; a lossy cast and a record's finding name what they
+        are about themselves."""
+        return f"{self.key!r}: {self.cause}" if self.kind == LOAD else self.cause
 
 
 def _covered(offset: Sequence[int], size: Sequence[int], saved: TensorStorageMetadata) -> int:
@@ -127,6 +129,6 @@ def findings(requests: Iterable[Request],
 
 def summary(found: Sequence[Finding], shown: int = 3) -> str:
     """One line for a rank's findings: the first ``shown``, and how many more."""
-    text = "; ".join(f.cause if f.kind == CAST else str(f) for f in found[:shown])
+    text = "; ".join(str(f) for f in found[:shown])
     more = len(found) - shown
     return text + (f" (and {more} more key(s))" if more > 0 else "")

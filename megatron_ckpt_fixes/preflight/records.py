@@ -43,21 +43,20 @@ def record_findings(checkpoint_dir: str | os.PathLike, metadata: Metadata,
     if status != "verified":
         if not required:
             return status, 0, []
-        text = f"{ChecksumSummary(status, len(items))}; the check was asked for"
+        text = f"checksum record: {ChecksumSummary(status, len(items))}; the check was asked for"
         return status, 0, [Finding(SIDECAR, text, RECORD)]
     assert record is not None
     files, problems = check_files(checkpoint_dir, record)
-    found = [Finding(name, problem.removeprefix(f"{name} "), RECORD)
-             for name, problem in problems.items()]
+    found = [Finding(name, problem, RECORD) for name, problem in problems.items()]
     unrecorded = 0
     for item in items:
         entry = record.checksums.get((item.file, item.offset))
         if entry is None:
             unrecorded += 1
         elif entry[0] != item.length:
-            found.append(Finding(item.key, f"the record says {entry[0]} bytes, .metadata "
-                                           f"{item.length} ({item})", RECORD))
+            found.append(Finding(item.key, f"{item}: the record says {entry[0]} bytes, "
+                                           f".metadata {item.length}", RECORD))
     if required and unrecorded:
-        found.append(Finding(SIDECAR, f"{unrecorded} requested item(s) have no checksum; the "
-                                      "check was asked for", RECORD))
+        found.append(Finding(SIDECAR, f"checksum record: {unrecorded} requested item(s) have "
+                                      "no checksum; the check was asked for", RECORD))
     return status, files, found
