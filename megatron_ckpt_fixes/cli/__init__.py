@@ -2,6 +2,7 @@
 
     megatron-ckpt-fixes inspect CKPT_DIR     # what is in a checkpoint (exit 1: a file is short)
     megatron-ckpt-fixes verify CKPT_DIR      # will it load what was saved? (exit 1 if not)
+    megatron-ckpt-fixes verify --strict DIR  # ... and exit 1 if some bytes had no record
     megatron-ckpt-fixes verify --dcp DIR     # check it as plain torch DCP, whatever it holds
     megatron-ckpt-fixes run [--features F,...] -- SCRIPT ARGS...   # the fixes, no code change
     megatron-ckpt-fixes status [--all]       # what install() applies here, readably
@@ -13,6 +14,9 @@ names is used, and the first line says so. ``verify`` checks everything a load n
 files alone (see :mod:`.checks`), showing its progress on stderr (:mod:`.progress`), and
 prints a damaged data file as one line with the count of items it breaks (:mod:`.summary`);
 a plain torch DCP checkpoint (no ``metadata.json``, no common state) is recognised as one.
+Its last line says what it checked (:mod:`.coverage`): the bytes only where a record covers
+them, and never a model's keys (:mod:`megatron_ckpt_fixes.preflight` answers that);
+``--strict`` fails where some bytes could not be checked.
 A directory it cannot check at all gets one line on stderr and exit code 1. ``inspect``
 reads no data, but a data file shorter than its entries need makes it end with a one-line
 hint on stderr and exit code 1. torch is imported only by the command that needs it
@@ -87,7 +91,7 @@ def _inspect(found: Located) -> int:
     return 0
 
 
-def _verify(found: Located, megatron: bool | None, shown: int) -> int:
+def _verify(found: Located, megatron: bool | None, shown: int, strict: bool = False) -> int:
     from .summary import group, problem_lines, verdict
 
     report = verify(found.checkpoint_dir, megatron=megatron, progress=True)
@@ -106,7 +110,14 @@ def _verify(found: Located, megatron: bool | None, shown: int) -> int:
                                  "none (no checksums recorded for this save, no integrity.json):"
                                  " its bytes were not checked"))
     kind = "megatron-core torch_dist" if report.megatron else "torch DCP"
-    print(f"{found.checkpoint_dir}: {kind} checkpoint, {report.keys} keys, {verdict(grouped)}")
+    # an OK says what it rests on: "OK" alone read as "will load" (issue 31)
+    checked = "" if report.problems else f" ({report.coverage.checked()})"
+    print(f"{found.checkpoint_dir}: {kind} checkpoint, {report.keys} keys, {verdict(grouped)}"
+          f"{checked}")
+    gaps = report.coverage.unchecked()
+    if strict and gaps:
+        print(f"megatron-ckpt-fixes verify --strict: not checked: {gaps}")
+        return 1
     return 1 if report.problems else 0
 
 
@@ -130,6 +141,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                        help="check it as a plain torch DCP checkpoint: skip megatron-core's "
                             "metadata.json and common state (a directory with neither is "
                             "recognised as one without this flag)")
+    check.add_argument("--strict", action="store_true",
+                       help="fail (exit 1) when some bytes could not be checked: no checksum "
+                            "record of this save, items or files it does not cover; the last "
+                            "line names them")
     check.add_argument("--items", type=_count, default=SHOWN, metavar="N",
                        help=f"list at most N broken items per damaged data file (default "
                             f"{SHOWN}; the file's line counts them all)")
@@ -152,7 +167,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(found.note, flush=True)
         if args.command == "inspect":
             return _inspect(found)
-        return _verify(found, megatron=False if args.dcp else None, shown=args.items)
+        return _verify(found, megatron=False if args.dcp else None, shown=args.items,
+                       strict=args.strict)
     except Unverifiable as exc:
         print(f"megatron-ckpt-fixes {args.command}: {exc}", file=sys.stderr)
         return 1

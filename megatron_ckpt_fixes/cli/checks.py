@@ -67,6 +67,7 @@ from ..checksums.record import (
 )
 from ..compat.detect import quiet
 from ..newer_checkpoint import newer_writer_reason
+from .coverage import Coverage, coverage
 from .locate import Unverifiable
 from .progress import Advance, reading
 
@@ -100,6 +101,7 @@ class Report:
     checksums: ChecksumSummary | None = None
     manifest: ManifestSummary | None = None
     file_items: dict[str, int] = field(default_factory=dict)  # data file -> items it holds
+    coverage: Coverage | None = None  # what the byte checks covered (set by verify)
 
     def records(self) -> list[str]:
         """The kinds of record whose checksums were checked."""
@@ -418,4 +420,6 @@ def verify(checkpoint_dir: str, megatron: bool | None = None,
             problems, report.manifest = manifest_problems(checkpoint_dir, records.manifest,
                                                           advance)
             report.problems += problems
+    report.coverage = coverage(checkpoint_dir, metadata, records.checksums, records.manifest,
+                               record_readable=records.checksums_error is None)
     return report

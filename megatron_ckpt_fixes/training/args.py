@@ -85,9 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
                            "(exit 2) instead of training from scratch; Megatron-LM's flag, "
                            "which there exits 0")
     ckpt.add_argument("--ckpt-verify-checksums", action="store_true",
-                      help="before loading, check every item against the checksums recorded "
-                           "when it was saved (megatron_ckpt_fixes' checksums feature); a "
-                           "mismatch stops the job on every rank, naming the key and the file")
+                      help="before loading, check that the checkpoint holds every key this "
+                           "model asks for (shape, chunk, dtype) and a checksum record of this "
+                           "save, then every item against the checksums recorded when it was "
+                           "saved (megatron_ckpt_fixes' checksums feature); a failure stops the "
+                           "job on every rank, naming the key and the cause")
 
     rerun = p.add_argument_group("rerun state machine")
     rerun.add_argument("--rerun-mode", default="disabled",

@@ -40,6 +40,7 @@ from torch.distributed.checkpoint import CheckpointException
 
 from ..agreement import check, describe_error, rank_and_size, run
 from ..checksums import verify_checkpoint
+from ..preflight import check_loadable
 from ..writer_failures.outcome import WriteFailedError
 from . import layout, rng
 from .args import missing_checkpoint
@@ -220,20 +221,28 @@ class Checkpointer:
                                "stops instead)", layout.no_checkpoint(root))
             return None
         ckpt, common = found
-        if self.options.verify_checksums:
-            # Collective: a mismatch, or a checkpoint that cannot be checked (no record),
-            # raises the same ChecksumError on every rank. Without the flag the load still
-            # checks every item it reads (checksums.reader).
-            summary = verify_checkpoint(ckpt, required=True)
-            if dist.get_rank() == 0:
-                logger.info("checksums of %s: %s", ckpt, summary)
         what = f"loading {ckpt}"
         template = run(lambda: self._load_template(ckpt, common, model, optimizer, machine),
                        what, raise_as=CheckpointReadError)
+        if self.options.verify_checksums:
+            self._verify(template, ckpt)
         loaded = dist_checkpointing.load(template, ckpt,
                                          load_strategy(self.options.strategy, self.context, ckpt))
         return run(lambda: self._restore(loaded, ckpt, model, optimizer, machine), what,
                    raise_as=CheckpointReadError)
+
+    @staticmethod
+    def _verify(template: dict, ckpt: str) -> None:
+        """``--ckpt-verify-checksums``, collective: first the pre-flight (every requested key,
+        shape, chunk and dtype, and the record: metadata only), then every item's bytes. A
+        checkpoint that cannot load into this model, or cannot be checked (no record), raises
+        the same error on every rank before any tensor data is read. Without the flag the
+        load still checks every item it reads (checksums.reader)."""
+        report = check_loadable(template, ckpt, checksums_required=True)
+        summary = verify_checkpoint(ckpt, required=True)
+        if dist.get_rank() == 0:
+            logger.info("pre-flight of %s: %s", ckpt, report)
+            logger.info("checksums of %s: %s", ckpt, summary)
 
     def _load_template(self, ckpt: str, common: dict[str, Any], model: Any,
                        optimizer: MegatronOptimizer, machine: RerunStateMachine) -> dict:

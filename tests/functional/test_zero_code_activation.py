@@ -120,6 +120,8 @@ def test_the_environment_switch_activates_an_unchanged_launch(jobs):
 def test_the_resume_checks_the_recorded_checksums(jobs):
     root, _, (_, text, _) = jobs
     items = len(read_metadata(root / "iter2").storage_data)
+    # first the pre-flight: every key the model asks for is there, and a record of this save
+    assert (f"pre-flight of {layout.checkpoint_dir(root / 'ckpt', 2)}: will load: ") in text
     assert (f"checksums of {layout.checkpoint_dir(root / 'ckpt', 2)}: {items} of {items} "
             "item(s) match their xxh3_64 checksums") in text
 

@@ -143,7 +143,10 @@ def test_a_complete_checkpoint_verifies(ckpt, capsys):
     files = sum((ckpt / name).exists() for name in ("common.pt", ".metadata", "metadata.json"))
     assert (f"checksums: {items} of {items} item(s) match their xxh3_64 checksums; {files} of "
             f"{files} whole file(s) (common state, metadata) match") in lines, lines
-    assert lines[-1].endswith("OK")
+    assert lines[-1].endswith(f"keys, OK (checked: the layout of {items} item(s), the bytes of "
+                              f"{items} item(s) and {files} file(s) by .checksums.json; keys "
+                              "not compared with a model)"), lines
+    assert _verify(capsys, ckpt, "--strict")[0] == 0  # every byte had a record
     assert main(["inspect", str(ckpt)]) == 0
     out = capsys.readouterr().out.splitlines()
     assert out[0] == f"{ckpt}: torch_dist checkpoint, {len(read_metadata(ckpt).state_dict_metadata)} keys"
@@ -341,6 +344,31 @@ def test_without_checksums_verify_says_absent(saved, capsys):
            "its bytes were not checked" in lines
 
 
+def test_strict_fails_where_bytes_could_not_be_checked(saved, tmp_path, capsys):
+    """Issue 31: verify said "OK" for a checkpoint without a record, which
+    --ckpt-verify-checksums refuses. Its last line now says what it checked; --strict fails
+    naming what it could not check: no record, and a record of another save (a --strict that
+    only asks whether a record file exists passes that one)."""
+    plain = saved / "plain"
+    items = len(read_metadata(plain).storage_data)
+    files = [n for n in ("metadata.json", ".metadata", "common.pt") if (plain / n).exists()]
+    code, lines, _ = _verify(capsys, plain)
+    assert code == 0 and lines[-1].endswith(
+        f"OK (checked: the layout of {items} item(s), not their bytes (no record of them); keys "
+        "not compared with a model)"), lines
+    code, lines, _ = _verify(capsys, plain, "--strict")
+    assert code == 1 and lines[-1] == (
+        f"megatron-ckpt-fixes verify --strict: not checked: the bytes of {items} item(s) (no "
+        "checksum record: .checksums.json missing, saved without the checksums feature) and "
+        f"{len(files)} whole file(s) ({', '.join(files)})"), lines
+    other = shutil.copytree(plain, tmp_path / "other")
+    shutil.copy(saved / "ckpt" / SIDECAR, other / SIDECAR)
+    code, lines, _ = _verify(capsys, other, "--strict")
+    assert code == 1 and lines[-1].startswith(
+        f"megatron-ckpt-fixes verify --strict: not checked: the bytes of {items} item(s) "
+        "(.checksums.json belongs to another save of this directory)"), lines
+
+
 def test_megatron_core_writes_its_integrity_manifest_from_0_19():
     """Where the release has the option, the "manifest" checkpoint's integrity.json is
     megatron-core's own; 0.16 lacks it (the fixture then writes one in 0.19's format)."""
@@ -362,6 +390,7 @@ def test_megatron_cores_integrity_manifest_is_checked(saved, capsys):
     assert (f"records checked: .checksums.json (xxh3_64 per item and per file, {files} "
             "file(s)), integrity.json (megatron-core's, sha256 per file)") in lines
     assert _upstream_verdict(ckpt) == ("ok" if _integrity_flag() else None)
+    assert _verify(capsys, ckpt, "--strict")[0] == 0
 
 
 def _upstream_verdict(ckpt) -> str | None:
@@ -425,10 +454,12 @@ def test_plain_torch_dcp_checkpoint(saved, capsys):
     """Recognised without --dcp (neither metadata.json nor a common state); --dcp still
     works; a megatron-core checkpoint without metadata.json stays one
     (test_megatron_metadata_json)."""
+    ok = ("torch DCP checkpoint, 2 keys, OK (checked: the layout of 2 item(s), not their bytes "
+          "(no record of them); keys not compared with a model)")
     code, lines, _ = _verify(capsys, saved / "dcp", "--dcp")
-    assert code == 0 and lines[-1].endswith("torch DCP checkpoint, 2 keys, OK")
+    assert code == 0 and lines[-1].endswith(ok), lines
     code, lines, _ = _verify(capsys, saved / "dcp")
-    assert code == 0 and lines[-1].endswith("torch DCP checkpoint, 2 keys, OK"), lines
+    assert code == 0 and lines[-1].endswith(ok), lines
     assert lines[0] == ("no metadata.json and no common state: checked as a plain torch DCP "
                         "checkpoint (--dcp)")
     assert main(["inspect", str(saved / "dcp")]) == 0
