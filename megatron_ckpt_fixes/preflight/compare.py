@@ -110,9 +110,10 @@ def findings(requests: Iterable[Request],
             found.append(Finding(request.key, "not in the checkpoint (it was saved without "
                                               "this key)"))
         elif isinstance(entry, TensorStorageMetadata) != request.is_tensor:
-            what = "a tensor" if isinstance(entry, TensorStorageMetadata) else "an object"
-            found.append(Finding(request.key, f"saved as {what}, the template asks for "
-                                              f"{'a tensor' if request.is_tensor else 'an object'}"))
+            saved_as, asked = ("an object", "a tensor") if request.is_tensor else \
+                ("a tensor", "an object")
+            found.append(Finding(request.key, f"saved as {saved_as}, the template asks for "
+                                              f"{asked}"))
         elif request.is_tensor:
             finding = _tensor_finding(request, entry)
             if finding is not None:

@@ -187,8 +187,8 @@ def test_a_checkpoint_without_record_is_refused_when_checksums_are_required(rank
     assert errors[0] == errors[1], errors
     names, text, _ = errors[0]
     assert names[0] == "ChecksumError" and "CheckpointingException" in names, names
-    assert ("rank 0: checksum record: absent (.checksums.json missing: saved without the checksums feature); "
-            "the check was asked for") in text, text
+    assert ("rank 0: checksum record: absent (.checksums.json missing: saved without the "
+            "checksums feature); the check was asked for") in text, text
     assert all(out["no_record"].endswith("checksum record: absent (not required)")
                for out in ranks)
 

@@ -5,6 +5,8 @@ a ``.metadata``'s ``state_dict_metadata``. Each rule is checked against the wron
 catches: a check of key names only passes a shape change, a check of the global shape only
 passes a chunk the saved chunks do not hold, and a check that refuses every dtype change
 refuses a lossless widening (the load's own rules, :mod:`megatron_ckpt_fixes.load_casts`).
+The record's rules (a plain torch DCP checkpoint, one process): required, it must exist, be
+this save's and cover every requested item; a whole file that differs from it always fails.
 """
 
 from __future__ import annotations
@@ -107,3 +109,77 @@ def test_a_ranks_line_shows_three_findings_and_counts_the_rest():
                               "'k1': not in the checkpoint (it was saved without this key); "
                               "'k2': not in the checkpoint (it was saved without this key) "
                               "(and 2 more key(s))")
+
+
+# -- the checksum record's rules (metadata only: the record, and the whole files it covers) --
+
+
+@pytest.fixture
+def dcp_ckpt(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"a": torch.ones(4), "b": torch.zeros(2)}, checkpoint_id=str(tmp_path),
+             no_dist=True)
+    return tmp_path
+
+
+def _record(ckpt, keys, save_id=None, metadata_checksum=None) -> None:
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_ckpt_fixes.checksums.files import read_back
+    from megatron_ckpt_fixes.checksums.record import (
+        ChecksumRecord,
+        items_of,
+        save_id_of,
+        write_record,
+    )
+
+    metadata = FileSystemReader(str(ckpt)).read_metadata()
+    length, checksum = read_back(ckpt / ".metadata")
+    write_record(ckpt, ChecksumRecord(
+        save_id_of(metadata) if save_id is None else save_id,
+        {(i.file, i.offset): (i.length, 0) for i in items_of(metadata) if i.key in keys},
+        whole_files={".metadata": (length, checksum if metadata_checksum is None
+                                   else metadata_checksum)}))
+
+
+def _record_findings(ckpt, keys, required):
+    from torch.distributed.checkpoint import FileSystemReader
+
+    from megatron_ckpt_fixes.preflight.records import record_findings
+
+    status, files, found = record_findings(ckpt, FileSystemReader(str(ckpt)).read_metadata(),
+                                           keys, required)
+    return status, files, [str(f) for f in found]
+
+
+def test_no_record_fails_only_where_it_is_required(dcp_ckpt):
+    assert _record_findings(dcp_ckpt, {"a"}, False) == ("absent", 0, [])
+    assert _record_findings(dcp_ckpt, {"a"}, True) == ("absent", 0, [
+        "checksum record: absent (.checksums.json missing: saved without the checksums "
+        "feature); the check was asked for"])
+
+
+def test_a_record_of_another_save_is_no_record(dcp_ckpt):
+    """A check of "is there a .checksums.json" alone passes a record an earlier save left."""
+    _record(dcp_ckpt, {"a", "b"}, save_id="another save")
+    assert _record_findings(dcp_ckpt, {"a"}, False) == ("stale", 0, [])
+    status, _, found = _record_findings(dcp_ckpt, {"a"}, True)
+    assert status == "stale" and found == [
+        "checksum record: not checked (.checksums.json belongs to another save of this "
+        "directory, not to its .metadata); the check was asked for"]
+
+
+def test_the_record_must_cover_the_requested_items(dcp_ckpt):
+    _record(dcp_ckpt, {"a"})
+    assert _record_findings(dcp_ckpt, {"a"}, True) == ("verified", 1, [])
+    assert _record_findings(dcp_ckpt, {"a", "b"}, True)[2] == [
+        "checksum record: 1 requested item(s) have no checksum; the check was asked for"]
+    assert _record_findings(dcp_ckpt, {"a", "b"}, False)[2] == []
+
+
+def test_a_whole_file_that_differs_from_its_record_fails_even_unrequired(dcp_ckpt):
+    _record(dcp_ckpt, {"a", "b"}, metadata_checksum=1)
+    _, files, found = _record_findings(dcp_ckpt, {"a"}, False)
+    assert files == 1 and len(found) == 1 and found[0].startswith(".metadata (bytes 0..")
+    assert "checksum mismatch (recorded" in found[0]
