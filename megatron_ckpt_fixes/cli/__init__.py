@@ -111,6 +111,7 @@ def _verify(found: Located, megatron: bool | None, shown: int, strict: bool = Fa
                                  " its bytes were not checked"))
     kind = "megatron-core torch_dist" if report.megatron else "torch DCP"
     # an OK says what it rests on: "OK" alone read as "will load" (issue 31)
+    assert report.coverage is not None
     checked = "" if report.problems else f" ({report.coverage.checked()})"
     print(f"{found.checkpoint_dir}: {kind} checkpoint, {report.keys} keys, {verdict(grouped)}"
           f"{checked}")
