@@ -9,7 +9,7 @@ the chosen patches need from upstream before touching anything, then applies the
 none; patches whose fix upstream already has (detected from its behaviour) are not applied.
 
 Most features patch megatron-core. A feature for another system (``SYSTEMS``: MLite, NeMo
-Automodel, TorchEasyRec) is applied when that system is imported: at once if it already is,
+Automodel, TorchEasyRec, Megatron-LM's training package) is applied when that system is imported: at once if it already is,
 right after its first import if it is installed, never where it is not installed
 (``installed()`` says which). Such a feature needs no megatron-core version check.
 """
@@ -57,6 +57,7 @@ FEATURES: tuple[str, ...] = (
     "writeback",  # after checksums: its stream is the file itself, not the checksum's tap
     "reshard.tzrec",
     "writer_failures",  # after checksums: its metadata-write hold wraps the record's write
+    "megatron_lm.rng_state",
 )
 
 #: Features applied only when named: not checkpoint fixes. ``training.cpu_support`` replaces
@@ -73,6 +74,7 @@ OPTIONAL_FEATURES: tuple[str, ...] = (
 SYSTEMS: dict[str, str] = {
     "dtensor.mlite": "megatron.lite",
     "dtensor.nemo_automodel": "nemo_automodel",
+    "megatron_lm.rng_state": "megatron.training",
     "reshard.tzrec": "tzrec",
     "snapshot.nvrx": "nvidia_resiliency_ext",
 }
