@@ -102,6 +102,8 @@ def _per_rank_get_rng_state(original: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(original)
     def get_rng_state(*args: Any, **kwargs: Any) -> Any:
         state = original(*args, **kwargs)
+        if not isinstance(state, ShardedObject):  # fsdp_dtensor's dict, torch_dcp's list
+            return state
         group = signature.bind(*args, **kwargs).arguments.get("dp_cp_group")
         dp_cp_rank, dp_cp_size = _group_rank_and_size(group)
         if not folds_data_parallel(state, dp_cp_rank):

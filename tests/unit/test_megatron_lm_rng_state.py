@@ -4,11 +4,14 @@ Megatron-LM's own functions: tests/functional/test_megatron_lm_rng_state.py)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject
 
 from megatron_ckpt_fixes.megatron_lm.rng_state import (
     Layout,
+    _per_rank_get_rng_state,
     adapted,
     folded,
     folds_data_parallel,
@@ -62,3 +65,27 @@ def test_the_saved_layout_decides_what_the_load_asks_for(saved, layout):
         assert isinstance(asked, LocalNonpersistentObject) and asked.unwrap() is STATE
     else:
         assert asked is template
+
+
+def _upstream(returned):
+    """A stand-in of upstream's ``get_rng_state`` (0.19's signature) returning ``returned``."""
+
+    def get_rng_state(ckpt_format, tp_group, pp_group, dp_cp_group=None, dp_group=None,
+                      key_prefix=""):
+        return returned
+
+    return get_rng_state
+
+
+def test_the_patched_get_rng_state_shards_by_the_group_it_is_given():
+    group = SimpleNamespace(rank=lambda: 2, size=lambda: 4)
+    patched = _per_rank_get_rng_state(_upstream(_object((1, 1), (0, 0), 2)))
+    got = patched("torch_dist", None, None, dp_cp_group=group)
+    assert (got.global_shape, got.global_offset, got.replica_id) == ((1, 1, 4), (0, 0, 2), 0)
+
+
+def test_the_patched_get_rng_state_passes_other_formats_through_untouched():
+    """No data-parallel group is asked for (none may exist for these formats)."""
+    for returned in ({"(0, 0)": STATE}, STATE):
+        assert _per_rank_get_rng_state(_upstream(returned))("fsdp_dtensor", None, None) \
+            is returned
