@@ -14,11 +14,11 @@ Megatron-LM users launch an unchanged ``pretrain_gpt.py``. Two switches, one mec
 
 The hook never imports megatron-core itself: it waits (:mod:`._after_import`) until something
 imports ``megatron.core``, lets that import finish, and then calls ``install(features)``.
-Features of other systems (MLite, NeMo Automodel, TorchEasyRec: ``SYSTEMS``) wait the same
-way for their own package, so a job that never imports megatron-core gets them too and pays
-nothing for megatron-core. An interpreter that imports none of them (a launcher such as
-torchrun, a tool, a data-loader worker) only pays for importing this module; a training
-script has every fix in place before its first line that can reach a checkpoint entry
+Features of other systems (MLite, NeMo Automodel, TorchEasyRec, Megatron-LM's training
+package: ``SYSTEMS``) wait the same way for their own package, so a job that never imports
+megatron-core gets them too and pays nothing for megatron-core. An interpreter that imports
+none of them (a launcher such as torchrun, a tool, a data-loader worker) only pays for
+importing this module; a training script has every fix in place before its first line that can reach a checkpoint entry
 point. A bad value is an error at the megatron-core import, where it matters, not a
 traceback in every interpreter; left uncaught there it is one line, not a traceback
 (:data:`~.verbosity.VERBOSE_ENV` for the traceback).

@@ -17,7 +17,7 @@ with expert parallelism 2 (data-parallel size 4), the tracker seeded as Megatron
 Runs where Megatron-LM's training package is installed (the megatron-core 0.19.2 wheel ships
 it, main's build too); megatron-core 0.16.1's wheel has none, and its training package shards
 the RNG state by data-parallel rank under expert parallelism itself (tests/unit/
-test_megatron_lm_rng_state.py).
+test_megatron_lm_rng_rules.py).
 """
 
 from __future__ import annotations
