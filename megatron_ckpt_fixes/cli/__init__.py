@@ -110,7 +110,7 @@ def _verify(found: Located, megatron: bool | None, shown: int, strict: bool = Fa
                                  "none (no checksums recorded for this save, no integrity.json):"
                                  " its bytes were not checked"))
     kind = "megatron-core torch_dist" if report.megatron else "torch DCP"
-    # an OK says what it rests on: "OK" alone read as "will load" (issue 31)
+    # an OK says what it rests on: "OK" alone reads as "will load"
     assert report.coverage is not None
     checked = "" if report.problems else f" ({report.coverage.checked()})"
     print(f"{found.checkpoint_dir}: {kind} checkpoint, {report.keys} keys, {verdict(grouped)}"

@@ -1,8 +1,8 @@
 """What ``verify`` checked, and what it could not: its OK says which, ``--strict`` refuses gaps.
 
 An OK that reads as "will load" while the bytes were never compared with anything (a
-checkpoint saved without a checksum record) is how issue 31 began: ``verify`` said
-``57 keys, OK`` where ``--ckpt-verify-checksums`` refused the same checkpoint. The layout
+checkpoint saved without a checksum record) misleads: ``verify`` said ``57 keys, OK``
+where ``--ckpt-verify-checksums`` refused the same checkpoint. The layout
 (chunks, storage entries, data file sizes) is always checked; the bytes only where a record
 covers them: this package's ``.checksums.json`` per item and per whole file, megatron-core's
 ``integrity.json`` per file. Whether a model's keys are in the checkpoint is never known
