@@ -260,6 +260,10 @@ class TrainingCpuPlatform(cpu_platform.CpuPlatform):
 
 
 def write_sites(path: Path) -> None:
-    """Write this process's CUDA call sites (path:line -> times mapped) as JSON."""
+    """Write this process's CUDA call sites (path:line -> times mapped) as JSON, whole or not
+    at all: a job's reader may look while a last process (a checkpoint worker the rank did not
+    wait for) still writes at its exit (CI: an empty file read as JSON)."""
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(dict(cpu_platform.SITES.most_common()), indent=1))
+    partial = path.with_name(f".{path.name}.partial")
+    partial.write_text(json.dumps(dict(cpu_platform.SITES.most_common()), indent=1))
+    os.replace(partial, path)
