@@ -42,6 +42,7 @@ logger = logging.getLogger(__name__)
 FEATURES: tuple[str, ...] = (
     "compat.cpu",
     "structure",
+    "replicas",
     "rerun.sentinel",
     "rerun.stats_report",
     "rerun.transient_fault",
