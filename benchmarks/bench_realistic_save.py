@@ -49,7 +49,19 @@ bytes (printed beside it: the share of the raw write with early writeback); veri
 >= 2x upstream's SHA-256 manifest per GiB, from disk and from the page cache. ``--ranks 1`` is the case of a GPU node's spare cores: one writer, and a free core
 for the hashing to overlap the I/O.
 
+``--replicas``: instead, the cost of the replica check (feature ``replicas``) beside the save,
+each round: the all-fixes save (cached plan, as above), then the check alone on the same state
+dict and a Megatron-like common state (500 args, Adam's param groups), in each design: at plan
+time in the steady state of a cached plan (objects and the common state digested; what every
+save after the first costs), on every save (the replicated tensors digested too: the layer
+norms and row-parallel biases here), and on every save with every tensor a replica (the
+state dict declared as data-parallel replicas of one model, each rank digesting all it holds:
+the worst case, the same bytes as the save). Printed: each as a share of the all-fixes save
+(median over rounds, slowest rank), and the digest throughput; target: the plan-time
+design <= 2 % of the save.
+
     python benchmarks/bench_realistic_save.py [--layers 8] [--hidden 1024] [--rounds 5] [--dir DIR]
+    python benchmarks/bench_realistic_save.py --replicas [--ranks 1|2|4] [--rounds 5]
 """
 
 from __future__ import annotations
@@ -105,13 +117,16 @@ def state_dict(rank: int, ws: int, layers: int, hidden: int) -> dict:
     from megatron.core.dist_checkpointing import ShardedTensor
 
     generator = torch.Generator().manual_seed(rank)
+    # Replicas hold equal values on every rank (the same draws: every rank walks the same
+    # keys), or the replica check refuses the save.
+    shared = torch.Generator().manual_seed(ws)
     sd = {}
     for layer in range(layers):
         for name, shape, axis in _layer_shapes(hidden):
             for prefix in ("model", "optimizer.exp_avg", "optimizer.exp_avg_sq"):
                 key = f"{prefix}.decoder.layers.{layer}.{name}"
                 if axis is None:
-                    local = torch.randn(shape, generator=generator)
+                    local = torch.randn(shape, generator=shared)
                     sd[key] = ShardedTensor.from_rank_offsets(key, local, replica_id=rank)
                 else:
                     local_shape = list(shape)
@@ -386,6 +401,96 @@ def _bench(rank: int, ws: int, layers: int, hidden: int, rounds: int, root: str)
             "verify": {key: statistics.median(v) for key, v in speeds.items()}}
 
 
+def _common_state() -> dict:
+    """A common state the size of Megatron-LM's: its args, the step, Adam's param groups."""
+    return {"args": {f"arg_{i}": (i, f"value {i}", float(i)) for i in range(500)},
+            "iteration": 1000, "checkpoint_version": 3.0,
+            "optimizer": {"param_groups": [{"lr": 1e-4, "betas": (0.9, 0.95), "eps": 1e-8,
+                                            "weight_decay": 0.1, "params": list(range(200))}
+                                           for _ in range(2)]}}
+
+
+def _as_replicas(sd: dict) -> dict:
+    """The same local tensors declared as data-parallel replicas of one model (equal on
+    every rank: values from one seed)."""
+    from megatron.core.dist_checkpointing import ShardedTensor
+
+    generator = torch.Generator().manual_seed(0)
+    rank = dist.get_rank()
+    return {key: ShardedTensor.from_rank_offsets(key, torch.randn(t.data.shape,
+                                                                  generator=generator),
+                                                 replica_id=rank)
+            for key, t in sd.items()}
+
+
+REPLICA_DESIGNS = ("plan time, steady state (cached plan)", "every save (tensors digested)",
+                   "every save, every tensor a replica")
+
+
+def _bench_replicas(rank: int, ws: int, layers: int, hidden: int, rounds: int,
+                    root: str) -> dict:
+    """The replica check's designs beside the all-fixes save (see the module docstring)."""
+    import megatron_ckpt_fixes
+    from megatron.core import dist_checkpointing as dc
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+
+    from megatron_ckpt_fixes.replicas.exchange import check_replicas
+
+    megatron_ckpt_fixes.install()
+    sd = state_dict(rank, ws, layers, hidden)
+    replicas = _as_replicas(sd)
+    strategy = TorchDistSaveShardedStrategy("torch_dist", 1, cached_metadata=True)
+    common = _common_state()
+    designs = {REPLICA_DESIGNS[0]: (sd, True), REPLICA_DESIGNS[1]: (sd, False),
+               REPLICA_DESIGNS[2]: (replicas, False)}
+    times: dict[str, list[float]] = {"all fixes": [], **{d: [] for d in designs}}
+
+    def save() -> None:
+        path = os.path.join(root, "c")
+        if rank == 0:
+            os.makedirs(path)
+        dist.barrier()
+        times["all fixes"].append(timed(lambda: dc.save({**sd, "common": common}, path,
+                                                        sharded_strategy=strategy,
+                                                        validate_access_integrity=False)))
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(path)
+
+    save()  # warms the plan cache and checks the tensors once, as a first save does
+    times["all fixes"].clear()
+    for r in range(rounds):
+        save()
+        for name in (list(designs) if r % 2 == 0 else list(designs)[::-1]):
+            state, cached = designs[name]
+            check_replicas(state, lambda: common, root, cached)  # the layout it is checked on
+            times[name].append(timed(lambda: check_replicas(state, lambda: common, root,
+                                                            cached)))
+    megatron_ckpt_fixes.uninstall()
+    return {"median": {name: statistics.median(t) for name, t in times.items()},
+            "bytes": sum(t.data.numel() * t.data.element_size() for t in sd.values())}
+
+
+def _print_replicas(r: dict, args: argparse.Namespace, world: int) -> None:
+    from importlib.metadata import version
+
+    median = r["median"]
+    base = median["all fixes"]
+    print(f"\n{world} gloo rank(s), {args.layers} layers, hidden {args.hidden}: "
+          f"{r['bytes'] / GIB:.3f} GiB per rank, {args.rounds} rounds, megatron-core "
+          f"{version('megatron-core')}, in {args.dir}")
+    print(f"  all-fixes save (cached plan, the check included): {base:.3f} s (median, "
+          "slowest rank)")
+    print("  the replica check alone, share of that save:")
+    for name in REPLICA_DESIGNS:
+        print(f"    {name:40s} {median[name] * 1e3:8.2f} ms  {median[name] / base:7.2%}")
+    print(f"  digest throughput, every tensor a replica: "
+          f"{r['bytes'] / GIB / median[REPLICA_DESIGNS[2]]:.2f} GiB/s per rank")
+    share = median[REPLICA_DESIGNS[0]] / base
+    print(f"  target: {'met    ' if share <= 0.02 else 'NOT MET'} plan-time design / save "
+          f"{share:.2%} (target <= 2 %)")
+
+
 def _print(r: dict, args: argparse.Namespace, world: int) -> None:
     from importlib.metadata import version
 
@@ -468,17 +573,20 @@ def main() -> None:
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--ranks", type=int, default=2)
+    parser.add_argument("--replicas", action="store_true",
+                        help="measure the replica check's designs beside the save instead")
     parser.add_argument("--dir", default=os.environ.get("MCF_BENCH_DIR", "/var/tmp"),
                         help="a directory on the disk to measure (not a tmpfs); each "
                              "checkpoint is deleted once measured")
     args = parser.parse_args()
     root = tempfile.mkdtemp(prefix="mcf-bench-", dir=args.dir)
     try:
-        result = run_ranks(_bench, args.ranks, args.layers, args.hidden, args.rounds, root,
+        result = run_ranks(_bench_replicas if args.replicas else _bench, args.ranks,
+                           args.layers, args.hidden, args.rounds, root,
                            timeout_s=7200, collective_timeout_s=1800)[0].value
     finally:
         shutil.rmtree(root, ignore_errors=True)
-    _print(result, args, args.ranks)
+    (_print_replicas if args.replicas else _print)(result, args, args.ranks)
 
 
 if __name__ == "__main__":
