@@ -2,9 +2,8 @@
 
 megatron-core writes one replica of each chunk (the main one, ``replica_id`` 0 in every
 dimension) and hands it to every rank that declares the chunk at load. A chunk is the same
-chunk on two ranks when its kind, key, global offset and (for a flattened ShardedTensor of
-the distributed optimizer) flattened range agree: two ranks holding different flattened
-ranges of one offset hold different data, not replicas. The common state is one chunk that
+chunk on two ranks when its kind, key and global offset agree (megatron-core >= 0.16 refuses
+ShardedTensors with a flattened range, so an offset names one chunk). The common state is one chunk that
 every rank declares (megatron-core >= 0.19 saves it as a ShardedObject with
 ``replica_id=rank``; 0.16 writes rank 0's as ``common.pt``), rank 0's being the main one.
 """
@@ -17,12 +16,12 @@ from typing import Any
 from megatron.core.dist_checkpointing.dict_utils import nested_values
 from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, is_main_replica
 
-#: ``(kind, key, global offset, flattened range or None)``: equal on the ranks sharing it.
-ChunkId = tuple[str, str, tuple[int, ...], "tuple[int, int] | None"]
+#: ``(kind, key, global offset)``: equal on the ranks sharing it.
+ChunkId = tuple[str, str, tuple[int, ...]]
 
 TENSOR, OBJECT, COMMON = "ShardedTensor", "ShardedObject", "common state"
 #: The common state's chunk.
-COMMON_CHUNK: ChunkId = (COMMON, "common_state", (), None)
+COMMON_CHUNK: ChunkId = (COMMON, "common_state", ())
 
 
 @dataclass(frozen=True)
@@ -41,11 +40,9 @@ def chunk_id(item: Any) -> ChunkId | None:
     """The chunk a sharded item declares; None for anything that is neither a tensor nor an
     object (megatron-core saves nothing else)."""
     if isinstance(item, ShardedTensor):
-        rng = item.flattened_range
-        return (TENSOR, item.key, tuple(item.global_offset),
-                None if rng is None else (rng.start, rng.stop))
+        return (TENSOR, item.key, tuple(item.global_offset))
     if isinstance(item, ShardedObject):
-        return (OBJECT, item.key, tuple(item.global_offset), None)
+        return (OBJECT, item.key, tuple(item.global_offset))
     return None
 
 
@@ -62,9 +59,7 @@ def local_claims(sharded_part: Any, common_state: Any, rank: int) -> dict[ChunkI
 
 def describe_chunk(chunk: ChunkId) -> str:
     """How an error line names a chunk."""
-    kind, key, offset, rng = chunk
+    kind, key, offset = chunk
     if kind == COMMON:
         return "the common state (after the caller's preprocessing)"
-    where = f" at offset {offset}" if offset else ""
-    flat = f", flattened range {rng[0]}:{rng[1]}" if rng is not None else ""
-    return f"{kind} {key!r}{where}{flat}"
+    return f"{kind} {key!r} at offset {offset}"
