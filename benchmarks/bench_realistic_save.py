@@ -484,8 +484,9 @@ def _print_replicas(r: dict, args: argparse.Namespace, world: int) -> None:
     print("  the replica check alone, share of that save:")
     for name in REPLICA_DESIGNS:
         print(f"    {name:40s} {median[name] * 1e3:8.2f} ms  {median[name] / base:7.2%}")
-    print(f"  digest throughput, every tensor a replica: "
-          f"{r['bytes'] / GIB / median[REPLICA_DESIGNS[2]]:.2f} GiB/s per rank")
+    if world > 1:  # one rank shares nothing: the check returns at once
+        print(f"  digest throughput, every tensor a replica: "
+              f"{r['bytes'] / GIB / median[REPLICA_DESIGNS[2]]:.2f} GiB/s per rank")
     share = median[REPLICA_DESIGNS[0]] / base
     print(f"  target: {'met    ' if share <= 0.02 else 'NOT MET'} plan-time design / save "
           f"{share:.2%} (target <= 2 %)")
