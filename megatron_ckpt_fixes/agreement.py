@@ -11,6 +11,8 @@ shared decisions and rank-local failures into one error:
   computation that may raise.
 - :func:`same`: do all ranks hold the same value (a plan, a layout)? One all_reduce of a
   digest; the values are gathered only when the digests differ.
+- :func:`bounds`: per position, the least and greatest value the ranks hold there (are the
+  digests of a chunk equal wherever it is held?). One all_reduce, whatever the world size.
 - :func:`gather`: facts every rank needs in full (local shapes, slot ranges); not a decision.
 
 A failure becomes the same error on every rank, built by ``raise_as(what, {rank: report})``
@@ -62,6 +64,21 @@ def _max_reduce(values: list[int], group: Any) -> list[int]:
     votes = torch.tensor(values, dtype=torch.int64, device=collective_device(group))
     dist.all_reduce(votes, op=dist.ReduceOp.MAX, group=group)
     return votes.tolist()
+
+
+#: Values :func:`bounds` takes lie in ``[0, BOUND)`` (so that their negation fits in int64).
+BOUND = 1 << 62
+
+
+def bounds(values: list[int | None], group: Any = None) -> list[tuple[int, int] | None]:
+    """Per position, ``(least, greatest)`` of the values the ranks hold there (None: no rank
+    holds one); each value in ``[0, BOUND)``. One all_reduce(MAX) of ``[v, -v]``."""
+    n = len(values)
+    if rank_and_size(group)[1] == 1:
+        return [None if v is None else (v, v) for v in values]
+    votes = _max_reduce([-1 if v is None else v for v in values]
+                        + [-BOUND if v is None else -v for v in values], group)
+    return [None if votes[i] < 0 else (-votes[n + i], votes[i]) for i in range(n)]
 
 
 def gather(value: Any, group: Any = None) -> list[Any]:

@@ -1,18 +1,22 @@
-"""The collective replica check: two small gathers of chunk names and digests, never values.
+"""The collective replica check: chunk names and digests cross the ranks, never values.
 
 1. Every rank announces the chunks it declares as a non-main replica (a chunk that more than
-   one rank declares has such a claim on every rank but at most one) and its structure
-   signature. The union is the set of shared chunks; the common state is always shared.
-2. Every rank digests the shared chunks it holds (main or not) and the digests are gathered;
-   every rank then computes the same verdict (:mod:`.verdict`) and raises the same error.
+   one rank declares has such a claim on every rank but at most one), its structure
+   signature and whether its strategy reuses a cached plan. The union of the claims is the
+   set of shared chunks; the common state is always shared. A rank whose announcement is the
+   one of the last save whose replicas agreed says only that (one agreed flag): when no rank
+   changed, every rank reuses that save's shared set, so the steady state gathers nothing.
+2. Every rank digests the shared chunks it holds, main or not, and one all_reduce gives each
+   chunk's least and greatest digest over the ranks holding it. Only where they differ are
+   the digests of those chunks gathered, so that every rank names the same ranks in the same
+   error (:mod:`.verdict`).
 
 Tensors are digested when a save plan is made: on every save, except where every rank's
 strategy reuses a cached plan (``--ckpt-assume-constant-structure``: the caller promises that
-the structure stays) and every rank's structure signature is the one of the last save whose
-tensors were checked. A plan reused on a changed structure is replanned by the ``structure``
-feature, and checked here again. ShardedObjects and the common state are small and digested on
-every save. A rank that fails to describe or digest its claims makes every rank raise the same
-error: both steps are gathers that every rank enters, whatever happened before.
+the structure stays) and every rank's structure signature is the one of a save whose tensors
+agreed. A plan reused on a changed structure is replanned by the ``structure`` feature, and
+checked here again. ShardedObjects and the common state are small and digested on every save.
+A rank that fails to describe or digest its claims makes every rank raise the same error.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..agreement import describe_failures, gather, rank_and_size
+from ..agreement import BOUND, agree, bounds, check, describe_failures, gather, rank_and_size
 from ..structure.signature import compute_signature
 from .claims import COMMON_CHUNK, TENSOR, ChunkId, local_claims
 from .digest import value_digest
@@ -31,20 +35,46 @@ from .verdict import ReplicaMismatchError, differing, mismatch_error
 logger = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True)
+class Announcement:
+    """What one rank tells the others before anything is digested."""
+
+    claims: tuple[ChunkId, ...]  # the chunks it declares as a non-main replica
+    signature: bytes
+    plan_cached: bool
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The shared chunks of the last save whose replicas agreed (tensors included)."""
+
+    announcement: int  # this rank's announcement's digest
+    shared: tuple[ChunkId, ...]
+    signatures: tuple[bytes, ...]
+    all_cached: bool
+
+
 @dataclass
-class CheckedLayout:
-    """The structure signatures (one per rank) of the last save whose tensors were checked."""
-
-    signatures: tuple[bytes, ...] | None = None
+class _Last:
+    layout: Layout | None = None
 
 
-_checked = CheckedLayout()
+_last = _Last()
 
 
-def _failed(what: str, reports: list[tuple[str | None, Any]]) -> None:
-    errors = {rank: error for rank, (error, _) in enumerate(reports) if error is not None}
-    if errors:
-        raise ReplicaMismatchError(describe_failures(what, errors))
+def _raise_as(what: str, errors: dict[int, Any]) -> ReplicaMismatchError:
+    return ReplicaMismatchError(describe_failures(what, errors))
+
+
+def _gathered_layout(announced: list[Announcement], mine: int) -> tuple[Layout, bool]:
+    """The layout every rank computes from the gathered announcements, and whether its
+    tensors are due (see the module docstring)."""
+    shared = {COMMON_CHUNK} | {chunk for a in announced for chunk in a.claims}
+    layout = Layout(mine, tuple(sorted(shared, key=repr)), tuple(a.signature for a in announced),
+                    all(a.plan_cached for a in announced))
+    last = _last.layout
+    checked_before = last is not None and last.signatures == layout.signatures
+    return layout, not (layout.all_cached and checked_before)
 
 
 def check_replicas(sharded_part: Any, common_state: Callable[[], Any], checkpoint_dir: Any,
@@ -57,33 +87,38 @@ def check_replicas(sharded_part: Any, common_state: Callable[[], Any], checkpoin
     if world == 1:
         return
     started = time.perf_counter()
-    announcement: tuple[list[ChunkId], bytes, bool] | None = None
+    what = f"the replica check of the save to {checkpoint_dir}"
     error: str | None = None
+    announcement, mine, claims = None, 0, {}
     try:
         claims = local_claims(sharded_part, common_state(), rank)
-        announcement = ([chunk for chunk, claim in claims.items() if not claim.main],
-                        compute_signature(sharded_part).digest, plan_cached)
-    except Exception as exc:  # noqa: BLE001 - raised on every rank below
+        announcement = Announcement(
+            tuple(sorted((c for c, claim in claims.items() if not claim.main), key=repr)),
+            compute_signature(sharded_part).digest, plan_cached)
+        mine = value_digest(announcement)
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by agree()
         error = f"cannot describe the chunks to save: {type(exc).__name__}: {exc}"
-    announced = gather((error, announcement), group)
-    _failed(f"announcing the replicas of the save to {checkpoint_dir}", announced)
-    signatures = tuple(a[1] for _, a in announced)
-    tensors_due = not all(a[2] for _, a in announced) or signatures != _checked.signatures
-    shared = {COMMON_CHUNK} | {chunk for _, a in announced for chunk in a[0]
-                               if tensors_due or chunk[0] != TENSOR}
+    last = _last.layout
+    changed = last is None or mine != last.announcement
+    if agree(changed, error, what, group, raise_as=_raise_as):
+        layout, tensors_due = _gathered_layout(gather(announcement, group), mine)
+    else:
+        assert last is not None
+        layout, tensors_due = last, not last.all_cached
+    due = [chunk for chunk in layout.shared if tensors_due or chunk[0] != TENSOR]
     digests: dict[ChunkId, tuple[Any, int]] = {}
     try:
-        digests = {chunk: (claims[chunk].replica_id, value_digest(claims[chunk].value))
-                   for chunk in sorted(shared & claims.keys(), key=repr)}
-    except Exception as exc:  # noqa: BLE001 - raised on every rank below
+        digests = {chunk: (claims[chunk].replica_id, value_digest(claims[chunk].value) % BOUND)
+                   for chunk in due if chunk in claims}
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by check()
         error = f"cannot digest the chunks it shares: {type(exc).__name__}: {exc}"
-    reports = gather((error, digests), group)
-    _failed(f"digesting the replicas of the save to {checkpoint_dir}", reports)
-    lines = differing([d for _, d in reports])
-    if lines:
-        raise mismatch_error(checkpoint_dir, lines)
-    if tensors_due:
-        _checked.signatures = signatures
-    logger.debug("replicas of %d shared chunk(s) agree (tensors %s) in %.3f s", len(shared),
-                 "checked" if tensors_due else "unchanged since checked",
+    check(error, what, group, raise_as=_raise_as)
+    spans = bounds([digests[c][1] if c in digests else None for c in due], group)
+    odd = [chunk for chunk, span in zip(due, spans) if span is not None and span[0] != span[1]]
+    if odd:  # the same on every rank: gather the digests of those chunks to name the ranks
+        held = gather({chunk: digests[chunk] for chunk in odd if chunk in digests}, group)
+        raise mismatch_error(checkpoint_dir, differing(held))
+    _last.layout = layout
+    logger.debug("replicas of %d shared chunk(s) agree (tensors %s) in %.3f s", len(due),
+                 "digested" if tensors_due else "agreed before, structure unchanged",
                  time.perf_counter() - started)
