@@ -469,10 +469,15 @@ def _bench_replicas(rank: int, ws: int, layers: int, hidden: int, rounds: int,
             state, cached = designs[name]
             check_replicas(state, lambda: common, root, cached)  # the layout it is checked on
             for _ in range(REPLICA_REPEATS):
-                started = time.process_time()
-                times[name].append(timed(lambda: check_replicas(state, lambda: common, root,
-                                                                cached)))
-                cpu[name].append(max_over_ranks(time.process_time() - started))
+                spent: list[float] = []
+
+                def check() -> None:
+                    started = time.process_time()
+                    check_replicas(state, lambda: common, root, cached)
+                    spent.append(time.process_time() - started)
+
+                times[name].append(timed(check))
+                cpu[name].append(max_over_ranks(spent[0]))
     megatron_ckpt_fixes.uninstall()
     return {"median": {name: statistics.median(t) for name, t in times.items()},
             "cpu": {name: statistics.median(t) for name, t in cpu.items()},
