@@ -71,12 +71,19 @@ BACKEND_ENV = "MCF_TEST_BACKEND"
 
 def init_test_group(rank: int, world_size: int, init_method: str,
                     timeout: datetime.timedelta) -> None:
-    """The process group of one test rank, on the backend :data:`BACKEND_ENV` names."""
+    """The process group of one test rank, on the backend :data:`BACKEND_ENV` names.
+
+    Ends with a barrier: gloo's ``init_process_group`` may return on one rank while another
+    still completes its connection handshake, and a rank whose test needs no collective then
+    leaves and closes its side under it (CI: ``Gloo connectFullMesh failed ... Connection
+    closed by peer`` on the slower rank, which reported nothing)."""
     backend = os.environ.get(BACKEND_ENV, "gloo")
     if "nccl" in backend:
         torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(backend, init_method=init_method, rank=rank,
                             world_size=world_size, timeout=timeout)
+    if world_size > 1:
+        dist.barrier()
 
 
 #: What the ranks' fork server imports once, so that each rank starts with it imported: torch
