@@ -19,7 +19,9 @@ What the writer then reads depends on the path:
 
 The fix copies, on the trainer's side and before the request leaves it (before the fork,
 before the pickle), every CPU tensor the writer could otherwise see change into staging
-buffers (:mod:`.staging`), and hands the writer a request over the copies: all of them on the
+buffers (:mod:`.staging`; for a persistent worker one shared segment, :mod:`.arena`, which
+crosses to the worker as one file descriptor where upstream's request sends one per
+tensor), and hands the writer a request over the copies: all of them on the
 persistent worker, the shared and pinned ones on the forked path (the others the fork
 already freezes). The trainer's tensors are then never pickled, so they never move into shared
 memory. GPU tensors keep upstream's device-to-host copy (copied once, not twice). A request
@@ -48,6 +50,7 @@ from typing import Any
 import torch
 
 from .._patching import Patch
+from .arena import with_exact_storages
 from .staging import POOL, SnapshotStats, StagingPool
 
 __all__ = ["PATCHES", "POOL", "Layout", "SnapshotStats", "mcore_layout", "needs_copy",
@@ -139,6 +142,8 @@ def snapshot_request(request: Any, forked: bool, pool: StagingPool = POOL,
     for i, copy in zip(positions, pool.copy(staging, [tensors[i] for i in positions])):
         tensors[i] = copy
     request = found.rebuild(tensors)
+    if staging.shared:
+        request = with_exact_storages(request)
     return request._replace(
         finalize_fns=[functools.partial(pool.release, staging), *request.finalize_fns])
 

@@ -5,10 +5,11 @@ is finalized. The buffers are kept across saves, as pinned host buffers are for 
 device-to-host copy: a steady-state save allocates nothing, it copies into the buffers of an
 earlier save.
 
-A buffer is one untyped storage per tensor, of exactly the tensor's size: ``torch.save``
-writes a tensor's whole storage, and megatron-core clones a CPU tensor whose storage is larger
-than the tensor (a view), so a slice of a shared arena would be written whole or copied
-twice.
+On the forked path a buffer is one untyped storage per tensor, of exactly the tensor's size:
+``torch.save`` writes a tensor's whole storage, and the forked writer writes what the request
+holds. A persistent worker's buffers are views of one shared segment instead
+(:mod:`.arena`), which the request's preload step turns into storages of their own in the
+worker: one segment pickles as one file descriptor, a storage per tensor as one each.
 
 A set of buffers belongs to one save from :meth:`StagingPool.acquire` until
 :meth:`StagingPool.release` (the save's first finalize step: its writer has returned on every
@@ -22,9 +23,12 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
+
+from .arena import ArenaSet
 
 
 @dataclass
@@ -42,9 +46,10 @@ class SnapshotStats:
 
 @dataclass
 class StagingSet:
-    """The buffers of one save, in the order that save's tensors were staged."""
+    """The private buffers of one save for a forked writer, in the order that save's tensors
+    were staged."""
 
-    shared: bool
+    shared = False  # class attribute: a forked writer reads the parent's memory as forked
     buffers: list[torch.UntypedStorage] = field(default_factory=list)
     used: int = 0  # buffers handed out by the save that holds this set
 
@@ -54,20 +59,25 @@ class StagingSet:
         at, self.used = self.used, self.used + 1
         if at < len(self.buffers) and self.buffers[at].nbytes() == nbytes:
             return self.buffers[at], 0
-        storage = (torch.UntypedStorage._new_shared(nbytes) if self.shared
-                   else torch.UntypedStorage(nbytes))
+        storage = torch.UntypedStorage(nbytes)
         if at < len(self.buffers):
             self.buffers[at] = storage
         else:
             self.buffers.append(storage)
         return storage, nbytes
 
+    def targets(self, tensors: Sequence[torch.Tensor]) -> tuple[list[torch.Tensor], int]:
+        """Empty tensors shaped like ``tensors`` in this set's buffers, and the bytes
+        allocated."""
+        out, allocated = [], 0
+        for tensor in tensors:
+            storage, new = self.buffer(tensor.numel() * tensor.element_size())
+            out.append(torch.empty(0, dtype=tensor.dtype).set_(storage, 0, tensor.shape))
+            allocated += new
+        return out, allocated
 
-def staged_copy(tensor: torch.Tensor, storage: torch.UntypedStorage) -> torch.Tensor:
-    """``tensor``'s values in ``storage`` (contiguous, same dtype and shape)."""
-    staged = torch.empty(0, dtype=tensor.dtype).set_(storage, 0, tensor.shape)
-    staged.copy_(tensor.detach())
-    return staged
+    def nbytes(self) -> int:
+        return sum(b.nbytes() for b in self.buffers)
 
 
 class StagingPool:
@@ -78,32 +88,33 @@ class StagingPool:
         self._free: list[StagingSet] = []
         self.stats = SnapshotStats()
 
-    def acquire(self, shared: bool) -> StagingSet:
-        """A set no writer reads: a free one (in shared memory if ``shared``), or a new one."""
+    def acquire(self, shared: bool) -> StagingSet | ArenaSet:
+        """A set no writer reads: a free one, or a new one (for a persistent worker
+        (``shared``) a shared segment, for a forked writer private buffers)."""
         with self._lock:
             for i, candidate in enumerate(self._free):
                 if candidate.shared == shared:
                     staging = self._free.pop(i)
-                    staging.used = 0
+                    if isinstance(staging, StagingSet):
+                        staging.used = 0
                     return staging
-        return StagingSet(shared)
+        return ArenaSet() if shared else StagingSet()
 
-    def release(self, staging: StagingSet) -> None:
+    def release(self, staging: StagingSet | ArenaSet) -> None:
         """The save holding ``staging`` was finalized: its writer no longer reads it."""
         with self._lock:
-            del staging.buffers[staging.used:]  # what this save did not need
+            if isinstance(staging, StagingSet):
+                del staging.buffers[staging.used:]  # what this save did not need
             self._free.append(staging)
 
-    def copy(self, staging: StagingSet, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    def copy(self, staging: StagingSet | ArenaSet,
+             tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Copies of ``tensors`` in ``staging``'s buffers, timed and counted."""
         start = time.perf_counter()
-        allocated = copied = 0
-        out = []
-        for tensor in tensors:
-            nbytes = tensor.numel() * tensor.element_size()
-            storage, new = staging.buffer(nbytes)
-            out.append(staged_copy(tensor, storage))
-            allocated, copied = allocated + new, copied + nbytes
+        out, allocated = staging.targets(tensors)
+        for target, tensor in zip(out, tensors):
+            target.copy_(tensor.detach())
+        copied = sum(t.numel() * t.element_size() for t in tensors)
         elapsed = time.perf_counter() - start
         with self._lock:
             s = self.stats
@@ -116,7 +127,7 @@ class StagingPool:
     def held_bytes(self) -> int:
         """Bytes of the free sets (the sets of saves in flight are held by their requests)."""
         with self._lock:
-            return sum(b.nbytes() for s in self._free for b in s.buffers)
+            return sum(s.nbytes() for s in self._free)
 
 
 #: This process's staging buffers.

@@ -17,7 +17,8 @@ import pytest
 import torch
 
 from megatron_ckpt_fixes import snapshot
-from megatron_ckpt_fixes.snapshot.staging import StagingPool, StagingSet, staged_copy
+from megatron_ckpt_fixes.snapshot.arena import ArenaSet, exact_storages
+from megatron_ckpt_fixes.snapshot.staging import StagingPool
 
 ELEMENTS = 64
 _SAVES = itertools.count()
@@ -96,29 +97,25 @@ def check_two_saves_in_flight(tmp_path, pool: StagingPool) -> None:
 
 
 class FirstOnlyPool(StagingPool):
-    """Wrong: copies into a buffer only when it is allocated (the first save)."""
+    """Wrong: copies into the buffers only when they are allocated (the first save)."""
 
-    def copy(self, staging: StagingSet, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        out = []
-        for tensor in tensors:
-            storage, new = staging.buffer(tensor.numel() * tensor.element_size())
-            if new:
-                out.append(staged_copy(tensor, storage))
-            else:
-                out.append(torch.empty(0, dtype=tensor.dtype).set_(storage, 0, tensor.shape))
+    def copy(self, staging, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        out, new = staging.targets(tensors)
+        if new:
+            for target, tensor in zip(out, tensors):
+                target.copy_(tensor)
         return out
 
 
 class SingleSetPool(StagingPool):
-    """Wrong: one set of buffers, handed out again while a save still holds it."""
+    """Wrong: one segment, handed out again while a save still holds it."""
 
-    def acquire(self, shared: bool) -> StagingSet:
+    def acquire(self, shared: bool) -> ArenaSet:
         if not hasattr(self, "only"):
-            self.only = StagingSet(shared)
-        self.only.used = 0
+            self.only = ArenaSet()
         return self.only
 
-    def release(self, staging: StagingSet) -> None:
+    def release(self, staging) -> None:
         pass
 
 
@@ -168,8 +165,42 @@ def test_buffers_are_kept_across_saves(cpu_world, tmp_path):
     _release(first)
     second = snapshot.snapshot_request(_request(tmp_path, tensors, "b"), False, pool)
     assert {t.data_ptr() for t in _written(second)} == pointers
-    assert all(t.is_shared() for t in _written(second))  # for the persistent worker's pickle
     assert pool.stats.saves == 2 and pool.stats.bytes_allocated == 3 * ELEMENTS * 4
+
+
+def test_a_persistent_worker_gets_one_segment_and_writes_exact_storages(cpu_world, tmp_path):
+    """The request holds views of one shared segment (one descriptor to pickle); what the
+    worker writes after the preload step holds storages of exactly each tensor's bytes
+    (torch.save writes a whole storage), over the segment's memory (no copy)."""
+    tensors = _values(0.0) + [torch.arange(5, dtype=torch.int8)]  # sizes off the alignment
+    request = snapshot.snapshot_request(_request(tmp_path, tensors, "a"), False, StagingPool())
+    held = [t for _, _, (_, ts) in request.async_fn_args[1] for _, t in ts]
+    assert len({t.untyped_storage().data_ptr() for t in held}) == 1
+    assert all(t.is_shared() for t in held)  # the persistent worker's pickle sends its fd
+    written = _written(request)
+    assert all(t.untyped_storage().nbytes() == t.numel() * t.element_size() for t in written)
+    assert {t.data_ptr() for t in written} == {t.data_ptr() for t in held}
+    def key(t: torch.Tensor) -> tuple:
+        return len(t), float(t[0])
+
+    for got, want in zip(sorted(written, key=key), sorted(tensors, key=key)):
+        assert torch.equal(got, want)
+
+
+def test_writing_the_segment_views_as_they_are_is_caught(tmp_path):
+    """Wrong: the worker writes the views themselves: torch.save writes the whole segment
+    for each of them."""
+    import io
+
+    segment = ArenaSet()
+    views, _ = segment.targets([torch.zeros(256), torch.zeros(256)])
+    sizes = {}
+    for name, preload in (("views", lambda: views), ("exact", lambda: exact_storages(
+            lambda: views))):
+        buffer = io.BytesIO()
+        torch.save(preload()[1], buffer)
+        sizes[name] = len(buffer.getvalue())
+    assert sizes["views"] >= sizes["exact"] + 1024
 
 
 def test_the_forked_path_copies_only_what_the_fork_does_not_freeze(cpu_world,
