@@ -21,6 +21,7 @@ is simply never returned and is freed with the request.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 import time
 from collections.abc import Sequence
@@ -80,6 +81,23 @@ class StagingSet:
         return sum(b.nbytes() for b in self.buffers)
 
 
+def copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
+    """``source``'s values into ``target`` (same dtype and shape, contiguous).
+
+    A plain memory copy on this thread where the bytes are the values: torch's ``copy_``
+    spreads a large copy over its intra-op threads, which wait on each other when the rank's
+    cores are busy (the other ranks on the node, their writers): 2.5 s against 0.17 s for
+    0.56 GiB of MB-sized tensors, measured on two busy cores. ``copy_`` for the rest
+    (strided, conjugate or negative views)."""
+    nbytes = source.numel() * source.element_size()
+    if (source.layout == torch.strided and source.is_contiguous() and not source.is_conj()
+            and not source.is_neg()):
+        if nbytes:
+            ctypes.memmove(target.data_ptr(), source.data_ptr(), nbytes)
+    else:
+        target.copy_(source.detach())
+
+
 class StagingPool:
     """The sets of staging buffers of this process, free or held by a save in flight."""
 
@@ -113,7 +131,7 @@ class StagingPool:
         start = time.perf_counter()
         out, allocated = staging.targets(tensors)
         for target, tensor in zip(out, tensors):
-            target.copy_(tensor.detach())
+            copy_into(target, tensor)
         copied = sum(t.numel() * t.element_size() for t in tensors)
         elapsed = time.perf_counter() - start
         with self._lock:

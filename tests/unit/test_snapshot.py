@@ -258,3 +258,17 @@ def test_an_older_request_type_passes_unchanged():
     Old = namedtuple("Old", ["async_fn", "async_fn_args", "finalize_fns"])
     request = Old(None, (), [])
     assert snapshot.snapshot_request(request, False) is request
+
+
+def test_a_copy_is_exact_for_every_layout_it_meets():
+    """The plain memory copy where the bytes are the values, torch's copy for views whose
+    bytes are not (a transpose, a conjugate, a negative view)."""
+    from megatron_ckpt_fixes.snapshot.staging import copy_into
+
+    real = torch.arange(12, dtype=torch.float32).reshape(3, 4)
+    complex_ = torch.arange(6, dtype=torch.float32) * (1 + 2j)
+    for source in (real, real.t(), complex_.conj(), torch.ops.aten._neg_view(complex_),
+                   torch.empty(0), torch.arange(5, dtype=torch.int8)):
+        target = torch.empty(source.shape, dtype=source.dtype)
+        copy_into(target, source)
+        assert torch.equal(target, source.resolve_conj().resolve_neg())
