@@ -43,6 +43,7 @@ class SnapshotStats:
     bytes_allocated: int = 0  # staging memory ever allocated (steady state: stops growing)
     last_bytes: int = 0  # bytes copied by the last snapshot
     last_copy_s: float = 0.0  # trainer time of the last snapshot
+    last_copy_cpu_s: float = 0.0  # CPU time of the last snapshot's copy (the trainer's thread)
 
 
 @dataclass
@@ -128,18 +129,18 @@ class StagingPool:
     def copy(self, staging: StagingSet | ArenaSet,
              tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         """Copies of ``tensors`` in ``staging``'s buffers, timed and counted."""
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.thread_time()
         out, allocated = staging.targets(tensors)
         for target, tensor in zip(out, tensors):
             copy_into(target, tensor)
         copied = sum(t.numel() * t.element_size() for t in tensors)
-        elapsed = time.perf_counter() - start
+        elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu
         with self._lock:
             s = self.stats
             s.saves, s.tensors = s.saves + 1, s.tensors + len(tensors)
             s.bytes_copied, s.copy_s = s.bytes_copied + copied, s.copy_s + elapsed
             s.bytes_allocated += allocated
-            s.last_bytes, s.last_copy_s = copied, elapsed
+            s.last_bytes, s.last_copy_s, s.last_copy_cpu_s = copied, elapsed, cpu
         return out
 
     def held_bytes(self) -> int:
