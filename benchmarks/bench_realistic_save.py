@@ -39,18 +39,20 @@ until the kernel's dirty and writeback pages are back under ``SETTLED_BYTES`` (s
 for writeback on Linux; the wait covers what another process dirtied), then a
 ``gc.collect()`` and a barrier; the dirty bytes each save starts with are printed.
 
-Why two disk verdicts disagreed (0.686 and 0.605 minutes apart; 1.093 over 5 rounds and
-1.332 over 9): a save on a disk is timed to its fsync, and the time of an fsync is the
-disk's, not the software's. Every setup fsyncs its own data files, so little is left dirty
-by the previous save (its common state and metadata, unsynced; the delete of the
-checkpoint before it: journal writes); without the control those are written back during
-the next save, and ext4's journal commit for that save's fsync waits for them. On this
-shared virtual disk the larger term is the disk's own variation (raw write+fsync of the
-same bytes moves 1.5-2x between rounds, more than the setups differ), so a paired median
-of few rounds lands where the disk happened to be fast or slow for one setup's turn: the
-verdict follows the disk. A user on a real disk saves every few minutes, after the previous
-checkpoint has long been written back: the settled state, which the control reproduces. The
-software's own cost is the tmpfs verdict (wall and CPU), which the disk cannot move.
+Why two disk verdicts disagreed (1.093 over 5 rounds and 1.332 over 9, the same disk): not
+the page cache. Every setup fsyncs its data files, so a save leaves about 1 MiB dirty (its
+common state and metadata, the previous delete's journal); measured on 0.16.1, 9 rounds,
+with and without the control: 0.1 against 0.7-1.5 MiB dirty at the start of a save, all
+fixes / upstream cached 0.781 (0.637-1.023) against 0.864 (0.567-1.549), each inside the
+other's spread. What moves the verdict is what the setups share and do not control: the
+disk (raw write+fsync of the same bytes 0.77-2.62 s over one run's rounds) and the cores
+(on tmpfs, no disk, a loaded 2-core machine moves the same save 1.0-2.5 s), so a paired
+median of a few ratios spread 0.6-1.6 lands where the disk or a neighbour happened to be
+for one setup's turn. A user's save runs minutes after the previous one was written back
+(the settled state the control gives) on a machine the training owns: the verdict of a
+quiet machine, with enough rounds, read beside the disk's spread. The software's own cost
+is the CPU time on tmpfs (all fixes / upstream cached 0.99, q1-q3 0.97-1.00); on a disk the
+CPU time holds the kernel's I/O work too and moves with it (0.99 and 1.14 in the two runs).
 
 Then, on the disk, on that round's checkpoints, verification, each once from disk (the
 files' pages evicted with ``posix_fadvise``) and once from the page cache:
@@ -707,7 +709,7 @@ def _print_targets(r: dict) -> None:
         met = value >= target if higher else value <= target
         verdict = ("met    " if met else "NOT MET") + (" (measured)" if disk else "")
         sign = ">=" if higher else "<="
-        print(f"    {verdict} {what}: {value:.3f} (target {sign} {target}){spread}")
+        print(f"    {verdict} {what}: {value:.4f} (target {sign} {target}){spread}")
 
     raw = Spread.of(times[RAW])
     print(f"  targets ({r['mode']}):" + (
