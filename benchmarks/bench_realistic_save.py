@@ -50,9 +50,11 @@ disk (raw write+fsync of the same bytes 0.77-2.62 s over one run's rounds) and t
 median of a few ratios spread 0.6-1.6 lands where the disk or a neighbour happened to be
 for one setup's turn. A user's save runs minutes after the previous one was written back
 (the settled state the control gives) on a machine the training owns: the verdict of a
-quiet machine, with enough rounds, read beside the disk's spread. The software's own cost
-is the CPU time on tmpfs (all fixes / upstream cached 0.99, q1-q3 0.97-1.00); on a disk the
-CPU time holds the kernel's I/O work too and moves with it (0.99 and 1.14 in the two runs).
+quiet machine, with enough rounds, read beside the disk's spread. tmpfs takes the disk
+away, not the neighbours: on the same 2-core machine with other benchmarks running, three
+tmpfs runs gave wall 0.807, 1.025 and 0.821 (CPU 0.994, 1.057, 0.952), so a verdict within
+5 % of 1.0 needs a quiet machine there too; CPU time moves less than wall time (on a disk
+it also holds the kernel's I/O work: 0.99 and 1.14 in the two disk runs).
 
 Then, on the disk, on that round's checkpoints, verification, each once from disk (the
 files' pages evicted with ``posix_fadvise``) and once from the page cache:
