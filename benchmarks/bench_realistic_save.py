@@ -473,7 +473,7 @@ def _bench(rank: int, ws: int, layers: int, hidden: int, rounds: int, root: str,
     times: dict[str, list[float]] = {name: [] for name in [RAW, RAW_EARLY, *saves]}
     times.update({name + BLOCKED: [] for name in saves if saves[name].asynchronous})
     cpus: dict[str, list[float]] = {name: [] for name in [RAW, RAW_EARLY, *saves]}
-    copies: list[tuple[float, int]] = []  # the snapshot's (copy time, bytes) per timed save
+    copies: list[tuple[float, int, float]] = []  # the snapshot's (copy time, bytes, copy CPU)
     verifies = ([v for v in VERIFIES if integrity or v != VERIFIES[2]] if mode == DISK
                 else [])
     speeds: dict[tuple[str, bool], list[float]] = {(v, c): [] for v in verifies
@@ -492,7 +492,8 @@ def _bench(rank: int, ws: int, layers: int, hidden: int, rounds: int, root: str,
                 times[name + BLOCKED].append(blocked)
                 if name == ALL_ASYNC:
                     stats = snapshot.stats()
-                    copies.append((max_over_ranks(stats.last_copy_s), stats.last_bytes))
+                    copies.append((max_over_ranks(stats.last_copy_s), stats.last_bytes,
+                                   max_over_ranks(stats.last_copy_cpu_s)))
             else:
                 use(name)
                 wall, cpu = measured(name, lambda: save(name, path))
@@ -535,7 +536,8 @@ def _bench(rank: int, ws: int, layers: int, hidden: int, rounds: int, root: str,
         "bytes": sum(t.numel() * t.element_size() for t in tensors),
         "tensors": len(tensors), "files": files,
         "snapshot copy": (statistics.median(c[0] for c in copies), copies[-1][1],
-                          snapshot.stats().bytes_allocated),
+                          snapshot.stats().bytes_allocated,
+                          statistics.median(c[2] for c in copies)),
         "verify": {key: statistics.median(v) for key, v in speeds.items()}}
     if mode == TMPFS:
         result["checksum work"] = [max_over_ranks(w) for w in _checksum_work(
@@ -680,10 +682,10 @@ def _print(r: dict, args: argparse.Namespace, directory: str) -> None:
     for label, wall in r["wall"].items():
         print(f"    {label}:\n      wall {wall}\n      CPU  {r['cpu'][label]}")
     print(f"    trainer blocked, {ALL_ASYNC} / {UPSTREAM_ASYNC}: {r['blocked']}")
-    copy_s, copy_bytes, staging = r["snapshot copy"]
-    print(f"  snapshot copy of an async save ({ALL_ASYNC}): {copy_s * 1e3:.1f} ms for "
-          f"{copy_bytes / GIB:.3f} GiB per rank (median, slowest rank), staging buffers "
-          f"{staging / GIB:.3f} GiB per rank")
+    copy_s, copy_bytes, staging, copy_cpu = r["snapshot copy"]
+    print(f"  snapshot copy of an async save ({ALL_ASYNC}): {copy_s * 1e3:.1f} ms "
+          f"({copy_cpu * 1e3:.1f} ms CPU) for {copy_bytes / GIB:.3f} GiB per rank (median, "
+          f"slowest rank), staging buffers {staging / GIB:.3f} GiB per rank")
     if mode == TMPFS:
         writer, helpers, _, _ = r["checksum work"]
         base = statistics.median(times[ALL])
