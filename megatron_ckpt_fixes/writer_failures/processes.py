@@ -237,7 +237,7 @@ def noting_writer_death(original: Callable[..., Any]) -> Callable[..., Any]:
     return close
 
 
-def _writes_with_threads() -> str | None:
+def writes_with_threads() -> str | None:
     from megatron.core.dist_checkpointing.strategies.filesystem_async import (
         FileSystemWriterAsync)
 
@@ -270,7 +270,7 @@ PATCHES: tuple[Patch, ...] = (
         target=_FILESYSTEM_ASYNC,
         attr="mp",
         build=WatchfulMultiprocessing,
-        not_needed=_writes_with_threads,
+        not_needed=writes_with_threads,
         probes=(_multiproc_problems,),
         why="the forked checkpoint writers are watched while the save waits for them",
     ),
@@ -279,7 +279,7 @@ PATCHES: tuple[Patch, ...] = (
         target=_WRITER,
         attr="write_preloaded_data_multiproc",
         build=failing_on_dead_writers,
-        not_needed=_writes_with_threads,
+        not_needed=writes_with_threads,
         probes=(_multiproc_problems,),
         why="a checkpoint writer process that dies (SIGKILL, the OOM killer) fails the save "
             "instead of leaving it waiting forever",

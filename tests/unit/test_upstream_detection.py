@@ -24,9 +24,10 @@ RELEASES = ("0.16.1", "0.17.1", "0.18.2", "0.19.2")
 SENTINEL = {"rerun.sentinel.state_dict"}
 STATS_REPORT = {"rerun.stats_report.filename", "rerun.stats_report.lineno"}
 #: megatron-core's file writer forks a process per bucket in 0.16, runs threads from 0.17 on:
-#: the patches for the other kind do not apply.
+#: the patches for the other kind do not apply (and 0.16's forks need no replacing by threads).
 THREADED_WRITER = {"writer_failures.threads.collection"}
-FORKED_WRITERS = {"writer_failures.processes.mp", "writer_failures.processes.multiproc"}
+FORKED_WRITERS = {"writer_failures.processes.mp", "writer_failures.processes.multiproc",
+                  "writer_threads.buckets"}
 #: No checkpoint after a transient fault: upstream from 0.18 (Megatron-LM PR 3981).
 TRANSIENT_FAULT = {"rerun.transient_fault.should_checkpoint_and_exit"}
 #: common.pt goes through the common-state strategy classes in 0.16, through module functions

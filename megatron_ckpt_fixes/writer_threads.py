@@ -1,0 +1,145 @@
+"""A rank's bucket files written by threads of the process that saves, not by forked writers.
+
+megatron-core 0.16's ``FileSystemWriterAsync.write_preloaded_data_multiproc`` (the body of
+every torch_dist save: in the trainer for a synchronous save, in the forked async writer, in
+the persistent worker) forks one writer process per bucket file (``thread_count``, 2 by
+default) on every save and waits for them. Each fork copies the page tables of a process
+that holds the whole model (about 50 ms for 1.1 GB of RSS), every page the parent or the
+child touches afterwards is copied on write, and the writer's results cross a pipe: on a
+GPT-like state dict on tmpfs (``python benchmarks/bench_realistic_save.py``) the forked
+writers spend about twice the CPU of a plain write of the same bytes, and the save reaches a
+third of the raw write's speed. The writes release the GIL (the kernel's copy into the page
+cache is most of a save's time; the ``checksums`` feature keeps torch's CRC-32 out of it), so
+threads write the buckets in parallel as well as processes do; megatron-core 0.19 writes
+them with threads itself (``write_preloaded_data_multithread``; this patch is not applied
+there, detected from the writer class).
+
+The patched ``write_preloaded_data_multiproc`` keeps upstream's contract: the same bucket
+files, each written by upstream's own ``write_preloaded_data`` (with every patch of it: the
+checksums, the writer failures' report), the last one on the calling thread, and one report
+on the save's results queue: every bucket's write results, or the failure. A bucket writer's
+failure is reported as upstream's forked writer reports it (its exception, which
+``retrieve_write_results`` turns into megatron-core's write failure); several are named in one
+:class:`~megatron_ckpt_fixes.writer_failures.threads.WriterThreadError`; anything that escapes
+a writer, or a writer that reports nothing, is a failure too. A thread cannot die alone: no
+writer is left for the save to wait for (``writer_failures`` watches forked writers where
+they are still used, e.g. when this feature is not installed).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import threading
+from typing import Any, Callable
+
+from ._patching import Patch
+from .agreement import describe_error
+from .writer_failures.processes import writes_with_threads
+from .writer_failures.threads import WriterThreadError
+
+logger = logging.getLogger(__name__)
+
+_FILESYSTEM_ASYNC = "megatron.core.dist_checkpointing.strategies.filesystem_async"
+_WRITER = f"{_FILESYSTEM_ASYNC}:FileSystemWriterAsync"
+_DISABLE_GC = "megatron.core.dist_checkpointing.strategies.async_utils:_disable_gc"
+
+
+def _write_bucket(transform_list: list, index: int, bucket: Any, use_msc: bool) -> Any:
+    """One bucket file through upstream's writer: its write results, or what failed."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        FileSystemWriterAsync)
+
+    results: queue.Queue = queue.Queue()
+    done: queue.Queue = queue.Queue()
+    done.put(index)  # the writer takes it back when it is done (upstream's count queue)
+    extra = {"use_msc": use_msc} if use_msc else {}
+    try:
+        FileSystemWriterAsync.write_preloaded_data(
+            transform_list, local_proc_idx=index, write_bucket=bucket, results_queue=results,
+            count_queue=done, use_fsync=True, **extra)
+        return results.get_nowait()[1]
+    except queue.Empty:
+        return RuntimeError(f"the writer of {bucket[1]} reported nothing")
+    except BaseException as exc:  # noqa: BLE001 - reported as the save's failure
+        return exc
+
+
+def _report(write_buckets: list, outcomes: list) -> Any:
+    """What upstream's collection puts on the results queue: ``{index: results}``, or the
+    failing writer's exception (several: one error naming each file and cause)."""
+    failures = [(bucket[1], outcome) for bucket, outcome in zip(write_buckets, outcomes)
+                if isinstance(outcome, BaseException)]
+    if not failures:
+        return dict(enumerate(outcomes))
+    for file, exc in failures:
+        logger.error("writing checkpoint file %s failed: %s", file, describe_error(exc))
+    if len(failures) == 1 and isinstance(failures[0][1], Exception):
+        return failures[0][1]
+    return WriterThreadError("; ".join(f"writing {file}: {describe_error(exc)}"
+                                       for file, exc in failures))
+
+
+def threaded_bucket_writers(original: Callable[..., None]) -> staticmethod:
+    """Replace ``FileSystemWriterAsync.write_preloaded_data_multiproc`` (see the module)."""
+    from megatron.core.dist_checkpointing.strategies.async_utils import _disable_gc
+
+    @functools.wraps(original)
+    def write_preloaded_data_multiproc(transform_list: list, use_msc: bool, rank: int,
+                                       write_buckets: list, global_results_queue: Any) -> None:
+        outcomes: list = [None] * len(write_buckets)
+
+        def write(index: int) -> None:
+            outcomes[index] = _write_bucket(transform_list, index, write_buckets[index],
+                                            use_msc)
+
+        threads = [threading.Thread(target=write, args=(index,), daemon=True,
+                                    name=f"mcf-bucket-writer-{index}")
+                   for index in range(len(write_buckets) - 1)]
+        with _disable_gc():  # as upstream's writers run: no collection while they write
+            for thread in threads:
+                thread.start()
+            if write_buckets:
+                write(len(write_buckets) - 1)
+            for thread in threads:
+                thread.join()
+        logger.debug("rank %d wrote %d checkpoint file(s) with threads", rank,
+                     len(write_buckets))
+        global_results_queue.put(_report(write_buckets, outcomes))
+
+    return staticmethod(write_preloaded_data_multiproc)
+
+
+def _writer_problems() -> list[str]:
+    import inspect
+
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
+        FileSystemWriterAsync)
+
+    problems = []
+    multiproc = inspect.signature(FileSystemWriterAsync.write_preloaded_data_multiproc)
+    if list(multiproc.parameters) != ["transform_list", "use_msc", "rank", "write_buckets",
+                                      "global_results_queue"]:
+        problems.append(f"FileSystemWriterAsync.write_preloaded_data_multiproc takes "
+                        f"{list(multiproc.parameters)}, not the parameters it is replaced with")
+    params = inspect.signature(FileSystemWriterAsync.write_preloaded_data).parameters
+    problems += [f"FileSystemWriterAsync.write_preloaded_data has no parameter {name!r}"
+                 for name in ("local_proc_idx", "write_bucket", "results_queue", "count_queue",
+                              "use_fsync", "kwargs") if name not in params]
+    return problems
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="writer_threads.buckets",
+        target=_WRITER,
+        attr="write_preloaded_data_multiproc",
+        build=threaded_bucket_writers,
+        reads=(_DISABLE_GC, f"{_WRITER}.write_preloaded_data"),
+        not_needed=writes_with_threads,
+        probes=(_writer_problems,),
+        why="a save writes its bucket files with threads instead of forking a writer "
+            "process per file on every save",
+    ),
+)
