@@ -18,10 +18,10 @@ The patched ``write_preloaded_data_multiproc`` keeps upstream's contract: the sa
 files, each written by upstream's own ``write_preloaded_data`` (with every patch of it: the
 checksums, the writer failures' report), the last one on the calling thread, and one report
 on the save's results queue: every bucket's write results, or the failure. A bucket writer's
-failure is reported as upstream's forked writer reports it (its exception, which
-``retrieve_write_results`` turns into megatron-core's write failure); several are named in one
-:class:`~megatron_ckpt_fixes.writer_failures.threads.WriterThreadError`; anything that escapes
-a writer, or a writer that reports nothing, is a failure too. A thread cannot die alone: no
+failure is reported as upstream's forked writer reports it (the first failing bucket's
+exception, which ``retrieve_write_results`` turns into megatron-core's write failure; every
+failure is logged); anything that escapes a writer, or a writer that reports nothing, is a
+failure too. A thread cannot die alone: no
 writer is left for the save to wait for (``writer_failures`` watches forked writers where
 they are still used, e.g. when this feature is not installed).
 """
@@ -37,7 +37,6 @@ from typing import Any, Callable
 from ._patching import Patch
 from .agreement import describe_error
 from .writer_failures.processes import writes_with_threads
-from .writer_failures.threads import WriterThreadError
 
 logger = logging.getLogger(__name__)
 
@@ -68,17 +67,15 @@ def _write_bucket(transform_list: list, index: int, bucket: Any, use_msc: bool) 
 
 def _report(write_buckets: list, outcomes: list) -> Any:
     """What upstream's collection puts on the results queue: ``{index: results}``, or the
-    failing writer's exception (several: one error naming each file and cause)."""
+    first failing writer's exception, as upstream reports it (each failure is logged)."""
     failures = [(bucket[1], outcome) for bucket, outcome in zip(write_buckets, outcomes)
                 if isinstance(outcome, BaseException)]
-    if not failures:
-        return dict(enumerate(outcomes))
     for file, exc in failures:
         logger.error("writing checkpoint file %s failed: %s", file, describe_error(exc))
-    if len(failures) == 1 and isinstance(failures[0][1], Exception):
-        return failures[0][1]
-    return WriterThreadError("; ".join(f"writing {file}: {describe_error(exc)}"
-                                       for file, exc in failures))
+    if not failures:
+        return dict(enumerate(outcomes))
+    first = failures[0][1]
+    return first if isinstance(first, Exception) else RuntimeError(describe_error(first))
 
 
 def threaded_bucket_writers(original: Callable[..., None]) -> staticmethod:

@@ -2,8 +2,9 @@
 
 Real failures on 2 gloo ranks, through megatron-core's own save paths (synchronous, its
 forked asynchronous writer, the persistent worker; scenarios in ``writer_failures.py``):
-a writer thread's (0.19) or writer process's (0.16) ``open`` failing, a forked bucket
-writer SIGKILLed mid-save (0.16), the asynchronous writer process SIGKILLed, the
+a writer thread's (0.19; 0.16 with ``writer_threads``) or writer process's (0.16)
+``open`` failing, a forked bucket writer SIGKILLed mid-save (0.16 without
+``writer_threads``), the asynchronous writer process SIGKILLed, the
 coordinator's ``.metadata`` write failing, and (as root, in a private mount namespace) a
 real EIO from a shut-down ext4 and a real ENOSPC from a full tmpfs. With ``install()``
 every one ends in the same ``WriteFailedError`` (a ``CheckpointException``, as upstream's)

@@ -4,8 +4,8 @@ Each case saves a small sharded state dict (two tensors per rank, two writers pe
 bucket files) through one of megatron-core's save paths and makes a writer fail for real:
 
 - ``EISDIR``: rank 1's first bucket file already exists as a directory: that writer's
-  ``open`` raises (a writer thread on megatron-core >= 0.19, a forked writer process on
-  0.16), the other writer succeeds;
+  ``open`` raises (a writer thread on megatron-core >= 0.19 and on 0.16 with the fixes'
+  ``writer_threads``, a forked writer process on plain 0.16), the other writer succeeds;
 - ``EISDIR-metadata``: the coordinator's ``.metadata.tmp`` is a directory: its metadata
   write fails after every writer succeeded;
 - ``killed``: rank 1's first bucket file is a named pipe, so its writer blocks in ``open``
@@ -389,16 +389,28 @@ def _marker(path: str) -> tuple[str, int] | None:
     return state, int(seq)
 
 
+def features(case: Case, fixes: bool) -> list[str] | None:
+    """What a case installs: plain upstream on gloo (``compat.cpu``), or every feature; a
+    forked bucket writer exists with the fixes only where ``writer_threads`` (which writes
+    the buckets with threads) is left out, as a user may."""
+    from megatron_ckpt_fixes import FEATURES
+
+    if not fixes:
+        return ["compat.cpu"]
+    return [f for f in FEATURES if f != "writer_threads"] if case.victim == "bucket" else None
+
+
 def run_cases(rank: int, ws: int, names: list[str], fixes: bool) -> dict[str, dict]:
-    """``names`` one after the other on every rank; ``fixes``: ``install()``, else plain
-    upstream on gloo (``compat.cpu``). A case that leaves the ranks waiting ends the run."""
+    """``names`` one after the other on every rank, each with its :func:`features`. A case
+    that leaves the ranks waiting ends the run."""
     import megatron_ckpt_fixes
 
-    megatron_ckpt_fixes.install(None if fixes else ["compat.cpu"])
     root = [tempfile.mkdtemp() if rank == 0 else None]
     dist.broadcast_object_list(root, src=0)
     results = {}
     for name in names:
+        megatron_ckpt_fixes.uninstall()
+        megatron_ckpt_fixes.install(features(CASES[name], fixes))
         results[name] = run_case(rank, ws, CASES[name], root[0])
         if results[name].get("ranks_waiting", [rank]):  # every rank stops alike
             break
