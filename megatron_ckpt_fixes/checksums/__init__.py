@@ -2,7 +2,7 @@
 checked by ``verify`` and at load.
 
 Reading order: :mod:`.algorithms` (which hash, and why) -> :mod:`.record` (what is recorded,
-where, how it is checked) -> :mod:`.hashing` (hashing beside the writer's I/O) ->
+where, how it is checked) -> :mod:`.hashing` (hashing each piece as it is written) ->
 :mod:`.writer` (where the bytes are: megatron-core's torch_dist writer; the save's
 patches) -> :mod:`.reader` (every load checks the bytes it reads; the load's patches) ->
 :mod:`.files` (the whole files a load reads besides the items: ``common.pt``, ``.metadata``,

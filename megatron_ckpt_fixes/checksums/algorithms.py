@@ -2,9 +2,9 @@
 
 Saves record :data:`DEFAULT` (``xxh3_64``, from the ``xxhash`` package): of the well-kept
 candidates it is the fastest here (``python benchmarks/bench_hashes.py``: about 4x zlib's
-CRC-32, 2x hardware CRC-32C and 13x SHA-256 on large buffers), it releases the GIL on large
-buffers, so a helper thread hashes while the writer writes and fsyncs (:mod:`.hashing`), and
-its 64 bits make an undetected random corruption of an item a 2**-64 event. Records written
+CRC-32, 2x hardware CRC-32C and 13x SHA-256 on large buffers; a piece just read into the cache
+costs it little: :mod:`.hashing` hashes each piece as the writer writes it), it releases the
+GIL on large buffers (other writer threads go on meanwhile), and its 64 bits make an undetected random corruption of an item a 2**-64 event. Records written
 before it (``crc32``, zlib's CRC-32) keep verifying: every record names its algorithm.
 
 An algorithm is a streaming hasher (``update(bytes)``, ``value() -> int``) and a name; the

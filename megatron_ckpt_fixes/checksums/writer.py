@@ -2,19 +2,18 @@
 
 Every ``dist_checkpointing.save`` with the torch_dist format goes through
 ``FileSystemWriterAsync``: its ``write_preloaded_data`` writes one bucket file, serializing
-each item with torch's ``_write_item``, then fsyncs the file; it runs in a forked process
-(megatron-core 0.16) or a writer thread (0.19), possibly inside megatron-core's async worker.
+each item with torch's ``_write_item``, then fsyncs the file; it runs in a writer thread
+(megatron-core 0.19; 0.16 with ``writer_threads``) or a forked process (plain 0.16),
+possibly inside megatron-core's async worker.
 The bytes exist only there, so that is where the checksum is taken (:mod:`.algorithms` says
 which, :mod:`.hashing` how):
 
 - ``_write_item`` (as ``filesystem_async`` calls it) checksums exactly the bytes the item puts
   into the file. Small items are serialized into memory first and hashed in one call (a
   Python tap on ``torch.save``'s ~40 small writes per item would cost more than writing a
-  small tensor); larger ones pass through a tap, so no large item is copied.
-- ``write_preloaded_data`` opens a batch for its file: the large items are hashed by a helper
-  thread while the writer writes the following items and fsyncs the file, and the batch puts
-  every checksum into its ``WriteResult`` before the results leave the writer (put on
-  megatron-core's results queue, or returned).
+  small tensor); larger ones pass through a tap that hashes each piece as it is written
+  (:mod:`.hashing`), so no large item is copied or read twice. The checksum is in the
+  item's ``WriteResult`` when ``_write_item`` returns, before the results leave the writer.
 - megatron-core already gathers every rank's write results on the coordinator, which builds
   ``.metadata`` from them in ``finish``: the patched ``finish`` writes the record
   (:mod:`.record`) from the same results right after ``.metadata``, with the checksum of
@@ -61,7 +60,7 @@ from .._patching import Patch
 from ..activation import switched_on
 from .algorithms import DEFAULT
 from .file_writer import files_at_finish
-from .hashing import ItemTap, current_batch, hash_pieces, open_batch, owned_memory
+from .hashing import ItemTap, checksum_of
 from .record import ChecksumRecord, remove_record, write_record
 
 logger = logging.getLogger(__name__)
@@ -149,7 +148,7 @@ def crc32_kept() -> str | None:
 
 def checksummed_write_item(original: Callable[..., WriteResult]) -> Callable[..., WriteResult]:
     """Wrap torch's ``_write_item`` so its result carries the checksum of the bytes written
-    (at once, or when the writer's batch resolves)."""
+    (taken as the bytes pass)."""
     names = list(inspect.signature(original).parameters)
     stream_at, data_at = names.index("stream"), names.index("data")
 
@@ -174,60 +173,23 @@ def checksummed_write_item(original: Callable[..., WriteResult]) -> Callable[...
                 result = original(*new_args, **new_kwargs)
             start = stream.tell()
             with buffer.getbuffer() as view:
-                checksum, written = hash_pieces([view]), view.nbytes
+                checksum, written = checksum_of(view), view.nbytes
                 _write_all(stream, view)
             stream.flush()  # as torch's own write does per item (megatron fsyncs the file)
             info = dataclasses.replace(result.storage_data,
                                        offset=start + result.storage_data.offset)
             return with_checksum(WriteResult(result.index, result.size_in_bytes, info),
                                  (DEFAULT.name, checksum) if written == info.length else None)
-        batch = current_batch()
-        tap = ItemTap(stream, owned_memory(data), deferred=batch is not None)
+        tap = ItemTap(stream)
         new_args, new_kwargs = replaced(args, kwargs, stream_at, "stream", tap)
         with _without_torch_crc32(transforms):
             result = original(*new_args, **new_kwargs)
         info = result.storage_data
-        out = with_checksum(WriteResult(result.index, result.size_in_bytes, info), None)
-        if tap.count != info.length:  # bytes went elsewhere (a transform): nothing to vouch for
-            return out
-        if batch is None:
-            return with_checksum(out, (DEFAULT.name, tap.hasher.value()))
-        batch.submit(out, tap.pieces, data)
-        return out
+        # bytes that went elsewhere (a transform): nothing to vouch for
+        checksum = (DEFAULT.name, tap.hasher.value()) if tap.count == info.length else None
+        return with_checksum(WriteResult(result.index, result.size_in_bytes, info), checksum)
 
     return _write_item
-
-
-class _ResolvingQueue:
-    """megatron-core's results queue, as its writer sees it: results put on it carry their
-    checksums (the batch is resolved first, after the writer's fsync)."""
-
-    def __init__(self, queue: Any, resolve: Callable[[], None]) -> None:
-        self._queue, self._resolve = queue, resolve
-
-    def put(self, *args: Any, **kwargs: Any) -> Any:
-        self._resolve()
-        return self._queue.put(*args, **kwargs)
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._queue, name)
-
-
-def checksummed_file_write(original: Callable[..., Any]) -> staticmethod:
-    """Wrap ``FileSystemWriterAsync.write_preloaded_data`` (one bucket file): its items'
-    checksums are hashed while it writes and fsyncs, and resolved before its results leave."""
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def write_preloaded_data(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(*args, **kwargs)
-        with open_batch(CHECKSUM_ATTR) as batch:
-            queue = bound.arguments.get("results_queue")
-            if queue is not None:
-                bound.arguments["results_queue"] = _ResolvingQueue(queue, batch.resolve)
-            return original(*bound.args, **bound.kwargs)
-
-    return staticmethod(write_preloaded_data)
 
 
 def record_of(results: Sequence[Sequence[WriteResult]],
@@ -312,21 +274,6 @@ def _write_item_problems() -> list[str]:
     return problems
 
 
-def _file_write_problems() -> list[str]:
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
-        FileSystemWriterAsync)
-
-    problems = []
-    if not isinstance(vars(FileSystemWriterAsync)["write_preloaded_data"], staticmethod):
-        problems.append("FileSystemWriterAsync.write_preloaded_data is no longer a "
-                        "staticmethod")
-    params = inspect.signature(FileSystemWriterAsync.write_preloaded_data).parameters
-    if "results_queue" not in params:
-        problems.append("FileSystemWriterAsync.write_preloaded_data has no parameter "
-                        "'results_queue': its results would leave before their checksums")
-    return problems
-
-
 def _writer_problems() -> list[str]:
     from megatron.core.dist_checkpointing.strategies.filesystem_async import (
         FileSystemWriterAsync)
@@ -362,15 +309,6 @@ PATCHES: tuple[Patch, ...] = (
         not_needed=crc32_kept,
         why="the records the writer checksums skip torch's unchecked CRC-32 (this thread "
             "only; every other torch.save keeps the user's setting)",
-    ),
-    Patch(
-        name="checksums.file_write",
-        target=_WRITER,
-        attr="write_preloaded_data",
-        build=checksummed_file_write,
-        probes=(_file_write_problems,),
-        why="the large items of a file are hashed while the writer writes and fsyncs it; "
-            "their checksums are in the write results before those leave the writer",
     ),
     Patch(
         name="checksums.finish",

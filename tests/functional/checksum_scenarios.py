@@ -2,8 +2,8 @@
 
 Every rank saves the same kinds of items megatron-core checkpoints hold: a tensor split
 across ranks, a replicated one (written once, by its main replica), a tensor above the
-writer's in-memory limit (checksummed through the tap, by the writer's helper thread while
-the file is written and fsynced), per-rank objects and common state. Each save path's
+writer's in-memory limit (checksummed through the tap, piece by piece as the writer writes
+it), per-rank objects and common state. Each save path's
 checkpoint is then copied with one byte of the large tensor flipped: the collective check
 and the plain load (which checks what it reads) must each name it on every rank.
 """
@@ -136,7 +136,7 @@ def checksum_worker(rank: int, ws: int, root: str) -> dict[str, Any]:
         out[name] = {**_verify(path), "exact": _load_exact(path, rank, ws),
                      "sidecar": os.path.exists(os.path.join(path, SIDECAR))}
         flipped = f"{path}-flipped"
-        if rank == 0:  # a byte of rank 0's chunk of "big" (hashed by the helper thread)
+        if rank == 0:  # a byte of rank 0's chunk of "big" (hashed through the tap)
             shutil.copytree(path, flipped)
             out[name]["flipped_file"] = flip_tensor_byte(Path(flipped), "big", (0,))
         dist.barrier()

@@ -31,7 +31,7 @@ def worker_dies(*_args: Any, **_kwargs: Any) -> None:
 
 
 #: Elements of the large tensor: above the checksummed writer's in-memory limit, so its
-#: checksum is taken by the worker's helper thread while the file is written and fsynced.
+#: checksum is taken through the tap, piece by piece as the worker writes it.
 BIG = 40_000
 
 

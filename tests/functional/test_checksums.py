@@ -40,7 +40,7 @@ def test_every_saved_item_is_checksummed_and_matches(outcomes, run):
 
 @pytest.mark.parametrize("run", ["sync", "async", "fully_parallel"])
 def test_a_flipped_byte_of_a_large_item_is_caught_on_every_save_path(outcomes, run):
-    """The large item's checksum was taken by the writer's helper thread, beside the I/O."""
+    """The large item's checksum was taken piece by piece as the writer wrote it."""
     file = outcomes[0][run]["flipped_file"]
     errors = [out[run]["flipped"] for out in outcomes]
     assert errors[0]["error"] == errors[1]["error"], "ranks disagree"
@@ -53,7 +53,7 @@ def test_a_flipped_byte_of_a_large_item_is_caught_on_every_save_path(outcomes, r
 @pytest.mark.parametrize("run", ["sync", "async", "fully_parallel"])
 def test_a_flipped_byte_fails_the_plain_load_on_every_rank(outcomes, run):
     """No verify before it: the load checks the bytes it reads (the large item's checksum
-    was taken by the writer's helper thread)."""
+    was taken piece by piece as the writer wrote it)."""
     file = outcomes[0][run]["flipped_file"]
     errors = [out[run]["flipped_load"] for out in outcomes]
     assert errors[0]["error"] == errors[1]["error"], "ranks disagree"

@@ -23,7 +23,7 @@ def test_upstream_worker_dies_at_start_and_the_trainer_waits_forever():
 def test_persistent_saves_run_and_a_dead_worker_raises_on_every_rank():
     """install() alone, no environment switch: the spawned worker has the trainer's fixes,
     so its writes are checksummed (every saved item, checked), and a byte flipped in a
-    large item (hashed by the worker's helper thread) is caught on every rank."""
+    large item (hashed through the worker's tap) is caught on every rank."""
     results = run_ranks(persistent_save_worker, 2, "all", 1, timeout_s=840)
     flipped = [r.value["first"]["value"][2] for r in results]
     assert flipped[0] == flipped[1] and flipped[0][0] == "ChecksumError", flipped

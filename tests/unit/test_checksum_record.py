@@ -20,7 +20,7 @@ from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
 from megatron_ckpt_fixes.checksums.algorithms import ALGORITHMS, DEFAULT, checksum_of_range
-from megatron_ckpt_fixes.checksums.hashing import ItemTap, hash_pieces, open_batch
+from megatron_ckpt_fixes.checksums.hashing import CHUNK, ItemTap
 from megatron_ckpt_fixes.checksums.record import (
     ChecksumRecord,
     Item,
@@ -63,22 +63,16 @@ ITEMS = [("obj", io.BytesIO(b"pickled object bytes" * 10)),
          ("after", torch.ones(3, 5))]
 
 
-def _write_all(tmp_path, write, name, deferred=False):
-    """Write ITEMS into one file as megatron-core's writer does; ``deferred``: inside a
-    batch, resolved after the file is closed (as after megatron-core's fsync)."""
+def _write_all(tmp_path, write, name):
+    """Write ITEMS into one file as megatron-core's writer does."""
     path = tmp_path / name
-    with open_batch(CHECKSUM_ATTR) as batch:
-        if not deferred:
-            batch.resolve()
-        with open(path, "wb") as stream:
-            results = []
-            for key, data in ITEMS:
-                if isinstance(data, io.BytesIO):
-                    data.seek(0)
-                args, kwargs = _call_args(stream, data, key)
-                results.append(write(*args, **kwargs))
-            if deferred:
-                assert len(batch.pending) == 3  # the tapped items; small ones are hashed at once
+    with open(path, "wb") as stream:
+        results = []
+        for key, data in ITEMS:
+            if isinstance(data, io.BytesIO):
+                data.seek(0)
+            args, kwargs = _call_args(stream, data, key)
+            results.append(write(*args, **kwargs))
     return path, results
 
 
@@ -86,11 +80,9 @@ def _checksum(path, info):
     return DEFAULT.name, checksum_of_range(str(path), info.offset, info.length, DEFAULT)[0]
 
 
-@pytest.mark.parametrize("deferred", [False, True], ids=["inline", "deferred"])
-def test_the_file_is_byte_identical_and_each_checksum_covers_its_range(tmp_path, deferred):
+def test_the_file_is_byte_identical_and_each_checksum_covers_its_range(tmp_path):
     plain_path, plain = _write_all(tmp_path, _write_item, "plain.distcp")
-    path, results = _write_all(tmp_path, checksummed_write_item(_write_item), "sum.distcp",
-                               deferred)
+    path, results = _write_all(tmp_path, checksummed_write_item(_write_item), "sum.distcp")
     assert path.read_bytes() == plain_path.read_bytes()
     for before, after in zip(plain, results):
         assert after.storage_data == before.storage_data and after.index == before.index
@@ -109,20 +101,19 @@ def test_the_stream_may_come_as_a_keyword(tmp_path):
     assert result.storage_data.length == len(data)
 
 
-def test_a_deferred_tap_keeps_the_items_storage_and_copies_any_other_buffer():
-    """The helper thread hashes after ``write`` returned: only memory the item owns may be
-    kept by reference; a writer's own buffer (reused at once) must be copied."""
-    tensor = torch.arange(BUFFER_LIMIT, dtype=torch.float32)
-    storage = tensor.untyped_storage()
-    owned = (storage.data_ptr(), storage.data_ptr() + storage.nbytes())
-    tap = ItemTap(io.BytesIO(), owned, deferred=True)
-    scratch = bytearray(b"h" * (2 * BUFFER_LIMIT))  # a large buffer the writer reuses
-    tap.write(memoryview(scratch))
-    tap.write(memoryview(tensor.numpy()).cast("B"))
-    expected = xxhash.xxh3_64_intdigest(bytes(scratch) + tensor.numpy().tobytes())
-    scratch[:] = bytes(len(scratch))  # reused after write returned
-    assert isinstance(tap.pieces[0], bytes) and isinstance(tap.pieces[1], memoryview)
-    assert hash_pieces(tap.pieces, tensor) == expected
+def test_the_tap_writes_a_large_buffer_in_pieces_and_hashes_every_byte():
+    """A write larger than ``CHUNK`` reaches the file piece by piece, each piece hashed as
+    it passes: the file holds every byte in order and the checksum covers them all (a tap
+    hashing only the first piece, or writing a piece twice, fails here)."""
+    stream = io.BytesIO()
+    tap = ItemTap(stream)
+    large = torch.arange((5 * CHUNK) // 2 // 4 + 3, dtype=torch.float32)  # not a multiple
+    pieces = [b"header" * 7, memoryview(large.numpy()).cast("B"), b"tail"]
+    for piece in pieces:
+        tap.write(piece)
+    expected = b"".join(bytes(p) for p in pieces)
+    assert stream.getvalue() == expected and tap.count == len(expected)
+    assert tap.hasher.value() == xxhash.xxh3_64_intdigest(expected)
 
 
 def _globals_in(pickled: bytes) -> set[str]:
@@ -144,8 +135,7 @@ def test_write_results_cross_process_queues_as_upstreams_class_only(tmp_path):
     torch's checkpoint modules and die of an import-lock deadlock (the persistent worker
     exited 1 in megatron-core's own test_async_save at 8 ranks). The results must need
     nothing beyond what upstream's own need, and keep their checksum across the pickle."""
-    _, results = _write_all(tmp_path, checksummed_write_item(_write_item), "p.distcp",
-                            deferred=True)
+    _, results = _write_all(tmp_path, checksummed_write_item(_write_item), "p.distcp")
     pickled = pickle.dumps(results)
     assert {m.split(".")[0] for m in _globals_in(pickled)} == {"torch"}, _globals_in(pickled)
     script = ("import pickle, sys; sys.modules['megatron_ckpt_fixes'] = None; "
@@ -225,26 +215,16 @@ def test_shares_partition_the_items_balanced_by_bytes(world):
     assert share(list(reversed(items)), 0, world) == shares[0]  # the same on every rank
 
 
-def test_megatron_cores_file_writer_hashes_large_items_beside_its_io(tmp_path, monkeypatch):
-    """With the feature installed, megatron-core's per-file writer defers the large items'
-    hashes to the helper threads, and its results leave (here: its results queue) with
-    every checksum in place."""
+def test_megatron_cores_file_writer_results_leave_with_their_checksums(tmp_path):
+    """With the feature installed, megatron-core's per-file writer puts results on its
+    results queue that carry every item's checksum, of the bytes in the file."""
     import queue
-    import threading
 
     import megatron_ckpt_fixes
     from megatron.core.dist_checkpointing.strategies.filesystem_async import (
         FileSystemWriterAsync)
-    from megatron_ckpt_fixes.checksums import hashing
 
-    threads = []
-
-    def recording(pieces, owner=None):
-        threads.append(threading.current_thread().name)
-        return hash_pieces(pieces, owner)
-
-    monkeypatch.setattr(hashing, "hash_pieces", recording)
-    tensors = [torch.randn(100_000), torch.arange(8.0), torch.randn(3, 50_000)]
+    tensors = [torch.randn(100_000), torch.arange(8.0), torch.randn(3, 500_000)]
     items = [WriteItem(MetadataIndex(f"t{i}"), WriteItemType.TENSOR) for i in range(3)]
     transforms = []
     if "transforms" in PARAMS:
@@ -260,31 +240,9 @@ def test_megatron_cores_file_writer_hashes_large_items_beside_its_io(tmp_path, m
     finally:
         megatron_ckpt_fixes.uninstall()
     _, written = results.get_nowait()
-    assert len(threads) == 2 and all(t.startswith("mcf-checksum") for t in threads), threads
+    assert len(written) == 3
     for result in written:
         assert result.checksum == _checksum(tmp_path / "__0_0.distcp", result.storage_data)
-
-
-def _deferred_checksum_ok(path: str) -> bool:
-    """Write ITEMS' large tensor in a batch (helper threads) and check its checksum."""
-    import pathlib
-
-    _, results = _write_all(pathlib.Path(path), checksummed_write_item(_write_item), "c.distcp",
-                            deferred=True)
-    return all(getattr(r, CHECKSUM_ATTR) == _checksum(pathlib.Path(path) / "c.distcp",
-                                                      r.storage_data) for r in results)
-
-
-def test_a_forked_writer_process_starts_its_own_helper_threads(tmp_path):
-    """megatron-core 0.16 forks its writers, possibly from a process whose helper threads
-    already ran (the fork does not copy them): the child must not wait on them."""
-    import multiprocessing
-
-    assert _deferred_checksum_ok(str(tmp_path))  # this process's helpers exist now
-    child_dir = tmp_path / "child"
-    child_dir.mkdir()
-    with multiprocessing.get_context("fork").Pool(1) as pool:
-        assert pool.apply_async(_deferred_checksum_ok, (str(child_dir),)).get(timeout=120)
 
 
 # -- whole files and the record's own checksum -------------------------------------------------
