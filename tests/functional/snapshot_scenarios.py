@@ -3,9 +3,10 @@
 Every rank holds ``COUNT`` CPU tensors, saves them through megatron-core's API
 (``dist_checkpointing.save(..., async_sharded_save=True)``, then ``AsyncCallsQueue``), and
 changes them in place with ``add_(1.0)`` the way the next optimizer step does: right after
-scheduling returns, or while the writer is writing (a gated writer tells the trainer when its
-first item is in the file, and writes the rest only once the trainer has changed the tensors:
-an order of events, not a pause that a loaded machine could outrun). The values at the moment scheduling returned are kept; after
+scheduling returns (a gated writer writes its first item only once the trainer has changed
+the tensors), or while the writer is writing (a gated writer tells the trainer when its
+first item is in the file, and writes the rest only once the trainer has changed the
+tensors): an order of events, not a pause that a loaded machine could outrun. The values at the moment scheduling returned are kept; after
 ``maybe_finalize_async_calls(blocking=True)`` every loaded value is compared with them
 bitwise, and the recorded checksums are checked (where the checksums feature is on).
 
@@ -37,10 +38,11 @@ MARKER_TIMEOUT_S = 120.0
 class GatedWriter:
     """``async_fn`` whose writer writes its first item, creates ``<gate>.first-item``, and
     writes every later item only once ``<gate>.go`` exists (the trainer has changed its
-    tensors). Picklable by name: it also runs in the persistent worker."""
+    tensors); ``from_first``: the first item too waits for it. Picklable by name: it also
+    runs in the persistent worker."""
 
-    def __init__(self, async_fn: Callable[..., Any], gate: str) -> None:
-        self.async_fn, self.gate = async_fn, gate
+    def __init__(self, async_fn: Callable[..., Any], gate: str, from_first: bool = False) -> None:
+        self.async_fn, self.gate, self.from_first = async_fn, gate, from_first
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -49,7 +51,7 @@ class GatedWriter:
 
         @functools.wraps(original)  # the writer reads its signature
         def gated_write_item(*a: Any, **k: Any) -> Any:
-            if os.path.exists(first):
+            if self.from_first or os.path.exists(first):
                 _wait_for(f"{self.gate}.go")
             result = original(*a, **k)
             if not os.path.exists(first):
@@ -171,20 +173,23 @@ def _wait_for(marker: str) -> None:
 
 def _save_and_change(queue: Any, rank: int, ws: int, path: str, tensors: list[torch.Tensor],
                      when: str, strategy: str = "mcore") -> list[torch.Tensor]:
-    """Schedule a save of ``tensors``, then change them ``when`` ("scheduled": at once;
-    "writing": once the writer has written its first item, and before it writes the others,
-    which it does once the change is made); the values scheduling saw."""
+    """Schedule a save of ``tensors``, then change them ``when`` ("scheduled": at once, and
+    megatron-core's own writer writes once the change is made; "writing": once the writer has written its
+    first item, and before it writes the others, which it does once the change is made); the
+    values scheduling saw."""
     request = _request(tensors, rank, ws, path, strategy)
     gate = f"{path}.rank{rank}"
-    if when == "writing":
-        request = request._replace(async_fn=GatedWriter(request.async_fn, gate))
+    gated = when == "writing" or strategy == "mcore"  # megatron-core's writer is gated
+    if gated:
+        request = request._replace(async_fn=GatedWriter(request.async_fn, gate,
+                                                        from_first=when == "scheduled"))
     queue.schedule_async_request(request)
     expected = [t.clone() for t in tensors]
     if when == "writing":
         _wait_for(f"{gate}.first-item")
     for t in tensors:
         t.add_(1.0)
-    if when == "writing":
+    if gated:
         open(f"{gate}.go", "w").close()
     return expected
 

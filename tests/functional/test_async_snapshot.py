@@ -6,10 +6,9 @@ the writer writes (snapshot_scenarios.py). Upstream twin (plain megatron-core wi
 checksums feature, i.e. the checksum hashed from live memory, as before this fix): the
 persistent worker writes the next step's values into every tensor and moves the trainer's
 tensors into shared memory; the forked writer does the same for tensors already in shared
-memory; the checksums verify those torn saves, and a consistent moment's save can fail with a
-false mismatch. With the fixes every loaded value equals the value at scheduling, bitwise,
-and the checksums verify. The second of two saves in flight reuses no buffer the first
-writer still reads.
+memory; the checksums verify those torn saves. With the fixes every loaded value equals the
+value at scheduling, bitwise, and the checksums verify. The second of two saves in flight
+reuses no buffer the first writer still reads.
 """
 
 from __future__ import annotations
@@ -43,10 +42,7 @@ def fixed(tmp_path_factory) -> list[dict]:
 def _not_the_moment(outcome) -> bool:
     """Upstream's save of this scenario is not the moment of scheduling, as a checkpoint that
     loads: torn (the next step's values, in every tensor or in those written after the
-    change), or its bytes fail the checksums hashed from live memory (the writer wrote before
-    the change and the helper hashed after it: a false mismatch). Which one a save shows
-    depends on whether the trainer's change lands before the writer reads a tensor, which a
-    loaded machine decides where nothing gates the writer (``in-flight-2``)."""
+    change; the writers write once the change is made), or its bytes fail the checksums."""
     return outcome.torn > 0 or outcome.checksums.startswith("ChecksumError")
 
 
@@ -68,8 +64,8 @@ def test_upstream_async_saves_write_the_next_steps_values(upstream):
 
 @pytest.mark.timeout(700)
 def test_upstream_checksums_certify_torn_saves(upstream):
-    """Hashed from the live tensor: torn saves verify (the checksum of the wrong values);
-    which ones depends on when the helper hashed, so only "some" is asserted."""
+    """Hashed from the live tensor as it is written: torn saves verify (the checksum of the
+    wrong values)."""
     verified = [(rank, name) for rank, out in enumerate(upstream) for name in TORN_UPSTREAM
                 if out[name].checksums == "verified"]
     assert verified, [out[n].checksums for out in upstream for n in TORN_UPSTREAM]
