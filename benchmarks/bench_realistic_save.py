@@ -218,9 +218,10 @@ def _checksum_work(tensors: list[torch.Tensor], root: str, rank: int,
     """CPU seconds the checksums add to megatron-core's own file writer
     (``FileSystemWriterAsync.write_preloaded_data``, writing all of this rank's tensors into
     one file on the measured disk, fsync included), as the median over ``rounds`` pairs of
-    writes with and without the feature: (on the writer's thread, the save's critical path;
-    on the helper threads, which hash beside the writer's I/O; the writer's whole CPU time
-    with the feature / without it, helpers included; the same for the writer's thread only).
+    writes with and without the feature: (on the writer's thread, which hashes each piece as
+    it writes it: the save's critical path; on the process's other threads, which should
+    stay near zero; the process's CPU time with the feature / without it; the same for the
+    writer's thread only).
     With the feature torch's own CRC-32 is skipped for the records it checksums, so the
     differences can be negative. CPU time, unlike wall time, is not inflated by other
     processes waiting for the same cores or disk."""
@@ -691,7 +692,7 @@ def _print(r: dict, args: argparse.Namespace, directory: str) -> None:
         base = statistics.median(times[ALL])
         print(f"  checksum work in megatron-core's file writer, CPU time (slowest rank, median "
               f"of paired writes), share of the all-fixes save: on the writer's thread "
-              f"{writer * 1e3:+.1f} ms = {writer / base:+.2%}; on the helper threads "
+              f"{writer * 1e3:+.1f} ms = {writer / base:+.2%}; on other threads "
               f"{helpers * 1e3:+.1f} ms = {helpers / base:+.2%} (negative: torch's CRC-32 "
               f"skipped costs more than the checksum)")
     if r["verify"]:
