@@ -60,6 +60,9 @@ class ArenaSet:
     def nbytes(self) -> int:
         return 0 if self.segment is None else self.segment.nbytes()
 
+    def trim(self) -> None:
+        """Its save is over: the segment stays for the next one."""
+
 
 #: In the worker: the segments of the last request, kept mapped for the next one.
 _KEPT: list[torch.UntypedStorage] = []

@@ -81,6 +81,11 @@ class StagingSet:
     def nbytes(self) -> int:
         return sum(b.nbytes() for b in self.buffers)
 
+    def trim(self) -> None:
+        """Its save is over: drop the buffers that save did not need, start over."""
+        del self.buffers[self.used:]
+        self.used = 0
+
 
 def copy_into(target: torch.Tensor, source: torch.Tensor) -> None:
     """``source``'s values into ``target`` (same dtype and shape, contiguous).
@@ -113,17 +118,13 @@ class StagingPool:
         with self._lock:
             for i, candidate in enumerate(self._free):
                 if candidate.shared == shared:
-                    staging = self._free.pop(i)
-                    if isinstance(staging, StagingSet):
-                        staging.used = 0
-                    return staging
+                    return self._free.pop(i)
         return ArenaSet() if shared else StagingSet()
 
     def release(self, staging: StagingSet | ArenaSet) -> None:
         """The save holding ``staging`` was finalized: its writer no longer reads it."""
         with self._lock:
-            if isinstance(staging, StagingSet):
-                del staging.buffers[staging.used:]  # what this save did not need
+            staging.trim()
             self._free.append(staging)
 
     def copy(self, staging: StagingSet | ArenaSet,
