@@ -17,13 +17,14 @@ What the writer then reads depends on the path:
   as soon as the (no-op) preload ran, before anything is written. The next optimizer step is
   in the checkpoint, whole or in part.
 
-The fix copies, on the trainer's side and before the request leaves it (before the fork,
-before the pickle), every CPU tensor the writer could otherwise see change into staging
-buffers (:mod:`.staging`; for a persistent worker one shared segment, :mod:`.arena`, which
-crosses to the worker as one file descriptor where upstream's request sends one per
-tensor), and hands the writer a request over the copies: all of them on the
+The fix copies, on the trainer's side, every CPU tensor the writer could otherwise see change
+into staging buffers (:mod:`.staging`; for a persistent worker one shared segment,
+:mod:`.arena`, which crosses to the worker as one file descriptor where upstream's request
+sends one per tensor), and hands the writer a request over the copies: all of them on the
 persistent worker, the shared and pinned ones on the forked path (the others the fork
-already freezes). The trainer's tensors are then never pickled, so they never move into shared
+already freezes). The forked path copies before the fork; a persistent worker's copy runs
+while the request is handed over, the worker waits for its end before it reads, and the
+trainer returns from scheduling only after it (:mod:`.overlap`). The trainer's tensors are then never pickled, so they never move into shared
 memory. GPU tensors keep upstream's device-to-host copy (copied once, not twice). A request
 this module does not recognise (not megatron-core's ``FileSystemWriterAsync``) is passed on
 unchanged, with a warning once. Where a request keeps its tensors is a :class:`Layout`
@@ -51,10 +52,11 @@ import torch
 
 from .._patching import Patch
 from .arena import with_exact_storages
+from .overlap import PendingCopy
 from .staging import POOL, SnapshotStats, StagingPool
 
-__all__ = ["PATCHES", "POOL", "Layout", "SnapshotStats", "mcore_layout", "needs_copy",
-           "snapshot_request", "snapshotting_schedule", "stats"]
+__all__ = ["PATCHES", "POOL", "Layout", "Snapshot", "SnapshotStats", "begin_snapshot",
+           "mcore_layout", "needs_copy", "snapshot_request", "snapshotting_schedule", "stats"]
 
 logger = logging.getLogger(__name__)
 
@@ -124,28 +126,60 @@ def mcore_layout(request: Any) -> Layout | None:
     return Layout([buckets[b][2][1][i][1] for b, i in positions], rebuild)
 
 
-def snapshot_request(request: Any, forked: bool, pool: StagingPool = POOL,
-                     layout: Callable[[Any], Layout | None] = mcore_layout) -> Any:
+@dataclass(frozen=True)
+class Snapshot:
+    """A request that writes copies, and how to wait for the copy to be over."""
+
+    request: Any
+    #: returns once every copy is made (raises what the copy raised)
+    wait: Callable[[], None]
+
+
+def _done() -> None:
+    """The copy of a snapshot made before its request left."""
+
+
+def begin_snapshot(request: Any, forked: bool, pool: StagingPool = POOL,
+                   layout: Callable[[Any], Layout | None] = mcore_layout) -> Snapshot:
     """``request`` writing copies (in ``pool``'s staging buffers) of every tensor the writer
     could see change; the buffers return to the pool at the request's first finalize step.
-    The request itself when nothing needs a copy or ``layout`` does not recognise it."""
+    The request itself when nothing needs a copy or ``layout`` does not recognise it.
+
+    For a persistent worker (not ``forked``) the copy runs on a thread while the request is
+    handed over (:mod:`.overlap`): the caller must :attr:`Snapshot.wait` before it returns to
+    the trainer. A forked writer gets a request whose copies are made (the fork may happen
+    before the copy could end)."""
     found = layout(request)
     if found is None:
         if getattr(request, "async_fn", None) is not None:
             _warn_unrecognised(request)
-        return request
+        return Snapshot(request, _done)
     positions = [i for i, tensor in enumerate(found.tensors) if needs_copy(tensor, forked)]
     if not positions:
-        return request
+        return Snapshot(request, _done)
     staging = pool.acquire(shared=not forked)
+    sources = [found.tensors[i] for i in positions]
+    targets = pool.targets(staging, sources)
     tensors = list(found.tensors)
-    for i, copy in zip(positions, pool.copy(staging, [tensors[i] for i in positions])):
-        tensors[i] = copy
+    for i, target in zip(positions, targets):
+        tensors[i] = target
     request = found.rebuild(tensors)
+    wait = _done
     if staging.shared:
-        request = with_exact_storages(request)
-    return request._replace(
-        finalize_fns=[functools.partial(pool.release, staging), *request.finalize_fns])
+        copying = PendingCopy(functools.partial(pool.fill, targets, sources))
+        request, wait = with_exact_storages(request, copying.reader), copying.wait
+    else:
+        pool.fill(targets, sources)
+    return Snapshot(request._replace(
+        finalize_fns=[functools.partial(pool.release, staging), *request.finalize_fns]), wait)
+
+
+def snapshot_request(request: Any, forked: bool, pool: StagingPool = POOL,
+                     layout: Callable[[Any], Layout | None] = mcore_layout) -> Any:
+    """:func:`begin_snapshot`'s request once its copy is over."""
+    snap = begin_snapshot(request, forked, pool, layout)
+    snap.wait()
+    return snap.request
 
 
 @functools.lru_cache(maxsize=None)
@@ -158,7 +192,7 @@ def _warn_unrecognised(request: Any) -> None:
     _warn_unrecognised_once(getattr(request.async_fn, "__qualname__", repr(request.async_fn)))
 
 
-def snapshotting_schedule(layout: Callable[[Any], Layout | None]
+def snapshotting_schedule(layout: Callable[[Any], Layout | None], pool: StagingPool = POOL
                           ) -> Callable[[Callable[..., int]], Callable[..., int]]:
     """A builder wrapping an ``AsyncCallsQueue.schedule_async_request`` whose requests have
     ``layout``: the request leaves with a snapshot."""
@@ -167,7 +201,11 @@ def snapshotting_schedule(layout: Callable[[Any], Layout | None]
         @functools.wraps(original)
         def schedule_async_request(self: Any, async_request: Any) -> int:
             forked = not getattr(self, "persistent", False)
-            return original(self, snapshot_request(async_request, forked, layout=layout))
+            snap = begin_snapshot(async_request, forked, pool, layout)
+            try:
+                return original(self, snap.request)
+            finally:
+                snap.wait()
 
         return schedule_async_request
 

@@ -20,9 +20,12 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Callable, Sequence
+from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
+
+from .overlap import wait_for_copy
 
 #: Each tensor starts at a multiple of this many bytes (every dtype's alignment, a cache line).
 ALIGN = 64
@@ -95,16 +98,20 @@ def _exact(value: Any, segments: dict[int, torch.UntypedStorage]) -> Any:
     return value
 
 
-def exact_storages(preload: Callable[[], Any]) -> Any:
+def exact_storages(preload: Callable[[], Any], ready: Connection | None = None) -> Any:
     """A persistent worker's preload step: upstream's, then every view of a staging segment
-    in what it returns given a storage of its own, and the segments kept for the next
-    request."""
+    in what it returns given a storage of its own, the segments kept for the next request,
+    and last the trainer's copy awaited (``ready``, see :mod:`.overlap`): the steps before
+    it read no value, so they run while the trainer copies."""
     segments: dict[int, torch.UntypedStorage] = {}
     staged = _exact(preload(), segments)
     _KEPT[:] = segments.values()
+    if ready is not None:
+        wait_for_copy(ready)
     return staged
 
 
-def with_exact_storages(request: Any) -> Any:
-    """``request`` whose preload step ends with :func:`exact_storages`."""
-    return request._replace(preload_fn=functools.partial(exact_storages, request.preload_fn))
+def with_exact_storages(request: Any, ready: Connection | None = None) -> Any:
+    """``request`` whose preload step is :func:`exact_storages` around its own."""
+    return request._replace(preload_fn=functools.partial(exact_storages, request.preload_fn,
+                                                         ready))

@@ -39,11 +39,11 @@ class SnapshotStats:
     saves: int = 0  # snapshots taken
     tensors: int = 0  # tensors copied, all saves
     bytes_copied: int = 0  # all saves
-    copy_s: float = 0.0  # trainer time spent copying, all saves
+    copy_s: float = 0.0  # time spent copying (the trainer's copy thread), all saves
     bytes_allocated: int = 0  # staging memory ever allocated (steady state: stops growing)
     last_bytes: int = 0  # bytes copied by the last snapshot
-    last_copy_s: float = 0.0  # trainer time of the last snapshot
-    last_copy_cpu_s: float = 0.0  # CPU time of the last snapshot's copy (the trainer's thread)
+    last_copy_s: float = 0.0  # copy time of the last snapshot
+    last_copy_cpu_s: float = 0.0  # CPU time of the last snapshot's copy (its thread)
 
 
 @dataclass
@@ -127,12 +127,19 @@ class StagingPool:
             staging.trim()
             self._free.append(staging)
 
-    def copy(self, staging: StagingSet | ArenaSet,
-             tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Copies of ``tensors`` in ``staging``'s buffers, timed and counted."""
-        start, cpu = time.perf_counter(), time.thread_time()
+    def targets(self, staging: StagingSet | ArenaSet,
+                tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        """Empty tensors shaped like ``tensors`` in ``staging``'s buffers (allocation
+        counted)."""
         out, allocated = staging.targets(tensors)
-        for target, tensor in zip(out, tensors):
+        with self._lock:
+            self.stats.bytes_allocated += allocated
+        return out
+
+    def fill(self, targets: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+        """``tensors``' values into ``targets``, timed (on the calling thread) and counted."""
+        start, cpu = time.perf_counter(), time.thread_time()
+        for target, tensor in zip(targets, tensors):
             copy_into(target, tensor)
         copied = sum(t.numel() * t.element_size() for t in tensors)
         elapsed, cpu = time.perf_counter() - start, time.thread_time() - cpu
@@ -140,9 +147,7 @@ class StagingPool:
             s = self.stats
             s.saves, s.tensors = s.saves + 1, s.tensors + len(tensors)
             s.bytes_copied, s.copy_s = s.bytes_copied + copied, s.copy_s + elapsed
-            s.bytes_allocated += allocated
             s.last_bytes, s.last_copy_s, s.last_copy_cpu_s = copied, elapsed, cpu
-        return out
 
     def held_bytes(self) -> int:
         """Bytes of the free sets (the sets of saves in flight are held by their requests)."""

@@ -9,9 +9,11 @@ to a second save while the first one's writer may still read it.
 
 from __future__ import annotations
 
+import functools
 import inspect
 import itertools
 import sys
+import types
 
 import pytest
 import torch
@@ -46,11 +48,14 @@ def _request(tmp_path, tensors: list[torch.Tensor], name: str):
     return dc.save(sd, str(path), async_sharded_save=True, **kwargs)
 
 
-def _written(request) -> list[torch.Tensor]:
-    """What the writer would write: the tensors after the request's own preload step."""
-    buckets = request.preload_fn()
+def _tensors(buckets) -> list[torch.Tensor]:
     assert buckets is not None
     return [t for _, _, (_, tensors) in buckets for _, t in tensors]
+
+
+def _written(request) -> list[torch.Tensor]:
+    """What the writer would write: the tensors after the request's own preload step."""
+    return _tensors(request.preload_fn())
 
 
 def _release(request) -> None:
@@ -99,12 +104,13 @@ def check_two_saves_in_flight(tmp_path, pool: StagingPool) -> None:
 class FirstOnlyPool(StagingPool):
     """Wrong: copies into the buffers only when they are allocated (the first save)."""
 
-    def copy(self, staging, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
-        out, new = staging.targets(tensors)
-        if new:
-            for target, tensor in zip(out, tensors):
-                target.copy_(tensor)
+    def targets(self, staging, tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+        out, self.new = staging.targets(tensors)
         return out
+
+    def fill(self, targets: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+        if self.new:
+            super().fill(targets, tensors)
 
 
 class SingleSetPool(StagingPool):
@@ -272,3 +278,66 @@ def test_a_copy_is_exact_for_every_layout_it_meets():
         target = torch.empty(source.shape, dtype=source.dtype)
         copy_into(target, source)
         assert torch.equal(target, source.resolve_conj().resolve_neg())
+
+
+class SlowPool(StagingPool):
+    """Copies slowly, or fails, on the copy's thread (a persistent worker's copy)."""
+
+    def __init__(self, fail: bool = False) -> None:
+        super().__init__()
+        self.fail = fail
+
+    def fill(self, targets: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+        import time
+
+        time.sleep(0.2)
+        if self.fail:
+            raise OSError("copy failed")
+        super().fill(targets, tensors)
+
+
+def _schedule(pool: StagingPool, run_preload: bool):
+    """The snapshot's schedule around a caller that hands the request over and, like
+    upstream's, waits for the worker's preload step (``run_preload``), or one that returns
+    at once: what the trainer may change after it returns must not reach the request."""
+    handed: list = []
+
+    def original(self, request):
+        handed.append(request)
+        if run_preload:  # what the worker would write right after its preload step
+            handed.append([t.clone() for t in _tensors(request.preload_fn())])
+        return 7
+
+    schedule = snapshot.snapshotting_schedule(snapshot.mcore_layout, pool)(original)
+    return functools.partial(schedule, types.SimpleNamespace(persistent=True)), handed
+
+
+@pytest.mark.parametrize("run_preload", [True, False])
+def test_the_copy_overlaps_the_hand_over_and_is_over_when_scheduling_returns(
+        cpu_world, tmp_path, run_preload):
+    """The copy runs on a thread while the request is handed over; the worker's preload step
+    waits for it, and scheduling returns only once it is over (even if the caller did not
+    wait for the preload step). Wrong fixes caught: the worker not waiting (it would write
+    zeros: the segment is fresh), scheduling returning before the copy's end."""
+    tensors = _values(0.0)
+    expected = [t.clone() for t in tensors]
+    schedule, handed = _schedule(SlowPool(), run_preload)
+    assert schedule(_request(tmp_path, tensors, "overlap")) == 7
+    for t in tensors:
+        t.add_(1.0)  # the trainer's next step, right after scheduling returned
+    request = handed[0]
+    written = handed[1] if run_preload else _tensors(request.preload_fn())
+    for got, want in zip(_sorted(written), expected):
+        assert torch.equal(got, want)
+    _release(request)
+
+
+def test_a_failed_copy_raises_on_the_trainer_and_the_worker_writes_nothing(cpu_world,
+                                                                          tmp_path):
+    from megatron_ckpt_fixes.snapshot.overlap import SnapshotCopyError
+
+    schedule, handed = _schedule(SlowPool(fail=True), run_preload=False)
+    with pytest.raises(OSError, match="copy failed"):
+        schedule(_request(tmp_path, _values(0.0), "failed"))
+    with pytest.raises(SnapshotCopyError, match="did not complete"):
+        handed[0].preload_fn()
