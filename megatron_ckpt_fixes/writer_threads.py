@@ -61,7 +61,7 @@ def _write_bucket(transform_list: list, index: int, bucket: Any, use_msc: bool) 
         return results.get_nowait()[1]
     except queue.Empty:
         return RuntimeError(f"the writer of {bucket[1]} reported nothing")
-    except BaseException as exc:  # noqa: BLE001 - reported as the save's failure
+    except Exception as exc:  # noqa: BLE001 - reported as the save's failure
         return exc
 
 
@@ -91,13 +91,19 @@ def threaded_bucket_writers(original: Callable[..., None]) -> staticmethod:
             outcomes[index] = _write_bucket(transform_list, index, write_buckets[index],
                                             use_msc)
 
-        threads = [threading.Thread(target=write, args=(index,), daemon=True,
+        def write_on_thread(index: int) -> None:
+            try:
+                write(index)
+            except BaseException as exc:  # noqa: BLE001 - a thread's end is reported, not lost
+                outcomes[index] = exc
+
+        threads = [threading.Thread(target=write_on_thread, args=(index,), daemon=True,
                                     name=f"mcf-bucket-writer-{index}")
                    for index in range(len(write_buckets) - 1)]
         with _disable_gc():  # as upstream's writers run: no collection while they write
             for thread in threads:
                 thread.start()
-            if write_buckets:
+            if write_buckets:  # on the calling thread: an interrupt (Ctrl-C) stays one
                 write(len(write_buckets) - 1)
             for thread in threads:
                 thread.join()
