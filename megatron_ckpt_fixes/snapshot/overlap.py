@@ -48,6 +48,8 @@ class PendingCopy:
         finally:
             try:
                 self._writer.send_bytes(FAILED if self._error else COPIED)
+            except OSError:  # every reader is closed: no worker waits for this copy
+                pass
             finally:
                 self._writer.close()
 
