@@ -24,11 +24,12 @@ sends one per tensor), and hands the writer a request over the copies: all of th
 persistent worker, the shared and pinned ones on the forked path (the others the fork
 already freezes). The forked path copies before the fork; a persistent worker's copy runs
 while the request is handed over, the worker waits for its end before it reads, and the
-trainer returns from scheduling only after it (:mod:`.overlap`). The trainer's tensors are then never pickled, so they never move into shared
-memory. GPU tensors keep upstream's device-to-host copy (copied once, not twice). A request
-this module does not recognise (not megatron-core's ``FileSystemWriterAsync``) is passed on
-unchanged, with a warning once. Where a request keeps its tensors is a :class:`Layout`
-(:func:`mcore_layout` here; nvidia-resiliency-ext's in :mod:`.nvrx`, the same copy).
+trainer returns from scheduling only after it (:mod:`.overlap`). The trainer's tensors are
+then never pickled, so they never move into shared memory. GPU tensors keep upstream's
+device-to-host copy (copied once, not twice). A request this module does not recognise (not
+megatron-core's ``FileSystemWriterAsync``) is passed on unchanged, with a warning once.
+Where a request keeps its tensors is a :class:`Layout` (:func:`mcore_layout` here;
+nvidia-resiliency-ext's in :mod:`.nvrx`, the same copy).
 
 The checksums feature hashes the items' bytes from the buffers the writer writes, after the
 write: with the snapshot those buffers cannot change before the writer returns, so the
