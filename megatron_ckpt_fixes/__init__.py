@@ -57,6 +57,7 @@ FEATURES: tuple[str, ...] = (
     "checksums",
     "writeback",  # after checksums: its stream is the file itself, not the checksum's tap
     "reshard.tzrec",
+    "write_results",
     "writer_threads",  # before writer_failures: its watch of forked writers wraps this
     "writer_failures",  # after checksums: its metadata-write hold wraps the record's write
     "megatron_lm.rng_state",
