@@ -55,6 +55,7 @@ FEATURES: tuple[str, ...] = (
     "snapshot",
     "snapshot.nvrx",
     "checksums",
+    "item_stream",
     "writeback",  # after checksums: its stream is the file itself, not the checksum's tap
     "reshard.tzrec",
     "write_results",
