@@ -48,12 +48,15 @@ def _body(cls: type) -> dict[str, tuple]:
     return body
 
 
-def _classes_of_two_calls(method: Callable[..., Any]) -> tuple[type, type]:
+def _two_calls(method: Callable[..., Any]) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
     from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
 
     transforms = _StorageWriterTransforms([])
-    first, _ = method(transforms, None, io.BytesIO())
-    second, _ = method(transforms, None, io.BytesIO())
+    return method(transforms, None, io.BytesIO()), method(transforms, None, io.BytesIO())
+
+
+def _classes_of_two_calls(method: Callable[..., Any]) -> tuple[type, type]:
+    (first, _), (second, _) = _two_calls(method)
     return type(first), type(second)
 
 
@@ -69,8 +72,14 @@ def _one_class_per_call() -> str | None:
 def _equal_classes_problems() -> list[str]:
     from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
 
-    first, second = _classes_of_two_calls(
+    (wrapper, descriptors), (other, _) = _two_calls(
         inspect.unwrap(_StorageWriterTransforms.transform_save_stream))
+    first, second = type(wrapper), type(other)
+    raw = io.BytesIO()
+    again = first(raw)
+    if descriptors != [] or vars(again) != {**vars(wrapper), "raw": raw}:
+        return ["torch's item stream without extensions is not its wrapper class called on "
+                "the raw stream alone"]
     body = _body(first)
     if None in body.values():
         return ["torch's item stream wrapper closes over the call that builds it: one class "
