@@ -131,8 +131,8 @@ SAVES = {UPSTREAM: Setup(["compat.cpu"]), ALL: Setup(None),
          UPSTREAM_ASYNC: Setup(["compat.cpu"], asynchronous=True),
          ALL_ASYNC: Setup(None, asynchronous=True)}
 #: Each feature alone on tmpfs; ``snapshot`` acts on asynchronous saves only.
-ALONE = ("structure", "snapshot", "checksums", "writeback", "writer_threads", "writer_failures",
-         "replicas")
+ALONE = ("structure", "snapshot", "checksums", "writeback", "writer_threads", "write_results",
+         "item_stream", "writer_failures", "replicas")
 assert set(ALONE) <= set(FEATURES), set(ALONE) - set(FEATURES)
 FEATURE_SAVES = {f"{f} alone": Setup(["compat.cpu", f], asynchronous=f == "snapshot",
                                      baseline=UPSTREAM_ASYNC if f == "snapshot" else UPSTREAM)
