@@ -264,3 +264,16 @@ def shared_temp_dir() -> Iterator[str]:
         except RuntimeError as exc:  # gloo: the peer's connection closed, or it timed out
             logger.info("rank %d: a peer left before the shared directory's last barrier: %s",
                         dist.get_rank(), exc)
+
+
+def loads_exactly(directory: str, state: Callable[[], dict[str, Any]]) -> bool:
+    """Whether the checkpoint in ``directory`` loads, into zeros shaped like the
+    ShardedTensors ``state()`` builds, exactly the values ``state()`` holds (collective:
+    megatron-core's load on every rank)."""
+    from megatron.core import dist_checkpointing as dc
+
+    template = state()
+    for sharded in template.values():
+        sharded.data = torch.zeros_like(sharded.data)
+    loaded, expected = dc.load(template, directory), state()
+    return all(torch.equal(loaded[key], expected[key].data) for key in loaded)

@@ -18,6 +18,7 @@ thread (the forked writer writes on its main thread).
 
 from __future__ import annotations
 
+import functools
 import inspect
 import multiprocessing as mp
 import os
@@ -27,7 +28,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ckpt_fixes.testing import run_ranks
+from megatron_ckpt_fixes.testing import loads_exactly, run_ranks
 from megatron_ckpt_fixes.write_results import InProcessFirst
 
 pytestmark = pytest.mark.varies_with("megatron-core", "torch")
@@ -86,16 +87,6 @@ def _save(directory: str, rank: int, ws: int, counting: _CountingReads,
     return {"outcome": outcome, "manager reads": counting.reads - reads}
 
 
-def _load_exact(directory: str, rank: int, ws: int) -> bool:
-    from megatron.core import dist_checkpointing as dc
-
-    template = _state(rank, ws)
-    for sharded in template.values():
-        sharded.data = torch.zeros_like(sharded.data)
-    loaded = dc.load(template, directory)
-    return all(torch.equal(loaded[key], _state(rank, ws)[key].data) for key in loaded)
-
-
 def _worker(rank: int, ws: int, root: str) -> dict:
     import megatron_ckpt_fixes
     from megatron.core.dist_checkpointing.strategies import filesystem_async
@@ -109,7 +100,7 @@ def _worker(rank: int, ws: int, root: str) -> dict:
     out["fixed async"] = _save(os.path.join(root, "fixed-async"), rank, ws, counting, True)
     megatron_ckpt_fixes.uninstall()
     megatron_ckpt_fixes.install(["compat.cpu"])  # plain upstream reads the fixed saves
-    out["exact"] = [_load_exact(os.path.join(root, name), rank, ws)
+    out["exact"] = [loads_exactly(os.path.join(root, name), functools.partial(_state, rank, ws))
                     for name in ("fixed", "fixed-async")]
     return out
 

@@ -17,13 +17,14 @@ would report success).
 
 from __future__ import annotations
 
+import functools
 import os
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ckpt_fixes.testing import run_ranks
+from megatron_ckpt_fixes.testing import loads_exactly, run_ranks
 
 pytestmark = pytest.mark.varies_with("megatron-core", "torch")
 
@@ -70,16 +71,6 @@ def _save(directory: str, rank: int, ws: int, failing: bool = False) -> dict:
     return out
 
 
-def _load_exact(directory: str, rank: int, ws: int) -> bool:
-    from megatron.core import dist_checkpointing as dc
-
-    template = _state(rank, ws)
-    for sharded in template.values():
-        sharded.data = torch.zeros_like(sharded.data)
-    loaded = dc.load(template, directory)
-    return all(torch.equal(loaded[key], _state(rank, ws)[key].data) for key in loaded)
-
-
 _forks = [0]
 
 
@@ -96,7 +87,8 @@ def _worker(rank: int, ws: int, root: str) -> dict:
     out["fixed failing"] = _save(os.path.join(root, "fixed-failing"), rank, ws, True)
     megatron_ckpt_fixes.uninstall()
     megatron_ckpt_fixes.install(["compat.cpu"])  # plain upstream reads the fixed save
-    out["exact"] = _load_exact(os.path.join(root, "fixed"), rank, ws)
+    out["exact"] = loads_exactly(os.path.join(root, "fixed"),
+                                 functools.partial(_state, rank, ws))
     return out
 
 
