@@ -40,24 +40,34 @@ def _copies_exactly() -> None:
         assert not target[:dst_at].any() and not target[dst_at + nbytes:].any()
 
 
-@pytest.mark.skipif(not X86_64_LINUX, reason="the streaming loop is x86-64 Linux's")
-def test_the_loop_is_used_on_x86_64_linux_and_copies_exactly(fresh_loop, monkeypatch):
-    assert stream_copy.available()
-    used = []
+def _counting(monkeypatch) -> list[int]:
+    """The sizes of the copies that go through the streaming loop from now on (the loop's
+    own check against memmove, on first use, done before)."""
+    stream_copy.available()
+    used: list[int] = []
     original = stream_copy._copy_with
     monkeypatch.setattr(stream_copy, "_copy_with",
                         lambda *args: (used.append(args[3]), original(*args))[1])
+    return used
+
+
+@pytest.mark.skipif(not X86_64_LINUX, reason="the streaming loop is x86-64 Linux's")
+def test_the_loop_is_used_on_x86_64_linux_and_copies_exactly(fresh_loop, monkeypatch):
+    assert stream_copy.available()
+    used = _counting(monkeypatch)
     _copies_exactly()
     assert used == [stream_copy.MIN_BYTES, stream_copy.MIN_BYTES + 1,
                     2 * stream_copy.MIN_BYTES + 127]  # smaller copies stay with memmove
 
 
-def test_the_snapshot_copy_of_a_float_tensor_is_bitwise(fresh_loop):
+def test_the_snapshot_copy_of_a_float_tensor_is_bitwise(fresh_loop, monkeypatch):
+    used = _counting(monkeypatch)
     source = torch.randn(stream_copy.MIN_BYTES // 2 + 3, dtype=torch.float32)
     source[7] = float("nan")
     target = torch.empty_like(source)
     copy_into(target, source)
     assert torch.equal(target.view(torch.int32), source.view(torch.int32))
+    assert used == ([source.nbytes] if X86_64_LINUX else [])  # the snapshot's copy streams
 
 
 def test_a_refused_executable_page_falls_back_to_memmove(fresh_loop, monkeypatch):
