@@ -108,6 +108,7 @@ import torch.distributed as dist
 from bench_cached_save import Spread, max_over_ranks, timed
 
 from megatron_ckpt_fixes import FEATURES, writeback
+from megatron_ckpt_fixes.snapshot import stream_copy
 from megatron_ckpt_fixes.testing import run_ranks
 
 
@@ -687,7 +688,9 @@ def _print(r: dict, args: argparse.Namespace, directory: str) -> None:
     copy_s, copy_bytes, staging, copy_cpu = r["snapshot copy"]
     print(f"  snapshot copy of an async save ({ALL_ASYNC}): {copy_s * 1e3:.1f} ms "
           f"({copy_cpu * 1e3:.1f} ms CPU) for {copy_bytes / GIB:.3f} GiB per rank (median, "
-          f"slowest rank), staging buffers {staging / GIB:.3f} GiB per rank")
+          f"slowest rank), staging buffers {staging / GIB:.3f} GiB per rank, "
+          + (f"streaming stores for tensors of {stream_copy.MIN_BYTES >> 10} KiB or more"
+             if stream_copy.available() else "memmove"))
     if mode == TMPFS:
         writer, helpers, _, _ = r["checksum work"]
         base = statistics.median(times[ALL])
