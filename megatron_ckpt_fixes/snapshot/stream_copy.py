@@ -6,8 +6,9 @@ writer does, long after the copy left the caches. glibc's ``memmove`` switches t
 stores only for single copies above a threshold derived from the shared cache size (114 MiB
 on a host with 300 MiB of L3), so each MB-sized tensor is copied with cached stores, which
 read every destination line from memory before overwriting it: a third more memory traffic.
-Measured on 0.563 GiB of 2.4 MB tensors, one thread: 0.068 s against 0.092 s for
-``memmove``; in the save benchmark (two ranks copying at once) the copy 93 ms against 146 ms.
+Measured on 0.563 GiB of 2.4 MB tensors, one thread: 0.065-0.071 s against 0.090-0.096 s for
+``memmove``; in the save benchmark (two ranks copying at once, nine runs) 93-119 ms against
+110-157 ms.
 
 No extension module to build: the copy loop below is 128 bytes of x86-64 machine code (SSE2,
 which every x86-64 CPU has), placed in a page of its own that is made executable and never
@@ -34,7 +35,7 @@ logger = logging.getLogger(__name__)
 MIN_BYTES = 256 << 10
 _BLOCK = 128  # bytes the loop copies per iteration
 
-#: ``loop(dst, src, n)``, n a multiple of 128, n > 0 or 0 (returns at once)::
+#: ``loop(dst, src, n)``, n a multiple of 128 (0: returns at once)::
 #:
 #:       endbr64 ; test rdx, rdx ; jz done
 #:   1:  prefetcht0 [rsi+1024] ; prefetcht0 [rsi+1088]
@@ -69,7 +70,7 @@ def _executable(code: bytes) -> tuple[mmap.mmap, _Loop]:
 
 
 def _copy_with(loop: _Loop, dst: int, src: int, nbytes: int) -> None:
-    head = -dst % 64  # the destination's first full cache line
+    head = min(-dst % 64, nbytes)  # up to the destination's first full cache line
     body = (nbytes - head) // _BLOCK * _BLOCK
     if head:
         ctypes.memmove(dst, src, head)
