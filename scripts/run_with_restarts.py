@@ -49,6 +49,7 @@ import errno
 import fcntl
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -211,7 +212,42 @@ class StopSignals:
 
 # -- one attempt ----------------------------------------------------------------------------
 
+#: Where Linux takes the source ports of outgoing connections when the system does not say.
+EPHEMERAL_LOW = 32768
+#: How many ports below the ephemeral range :func:`free_port` draws from.
+PORT_SPAN = 12000
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return EPHEMERAL_LOW
+
+
+def _bindable(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
+    """A port for the job's store, free now, drawn below the kernel's ephemeral range.
+
+    A port that ``bind(0)`` hands out lies in the ephemeral range, where every outgoing
+    connection on the host also takes its source port (the gloo connections and store clients
+    of other jobs): between this check and rank 0's store binding it, another process may take
+    it, and the job dies with EADDRINUSE. Below the range a port is only taken by a listener
+    that asks for it. ``bind(0)`` where no such port is free."""
+    low = _ephemeral_low()
+    first = max(1024, low - PORT_SPAN)
+    draw = random.Random(os.getpid() ^ time.time_ns())
+    for port in draw.sample(range(first, low), min(64, low - first)):
+        if _bindable(port):
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from importlib.metadata import version
@@ -23,6 +22,7 @@ from pathlib import Path
 
 import pytest
 from ckpt_files import flip_tensor_byte, read_metadata
+from script_modules import script_module
 
 from megatron_ckpt_fixes.checksums import read_record
 from megatron_ckpt_fixes.cli import main as cli_main
@@ -37,12 +37,6 @@ FEATURES = "default,training.cpu_support"  # the script installs nothing, not ev
 JOB = ["--no-install", "--seed", "1237", "--tensor-model-parallel-size", "2",
        "--save-interval", "2"]
 TIMEOUT_S = 300
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _run(cmd: list[str], out: Path, switch: str | None = None) -> tuple[int, str]:
@@ -68,8 +62,10 @@ def _runner(root: Path, name: str, train_args: list[str]) -> tuple[int, str, lis
 def jobs(tmp_path_factory):
     root = tmp_path_factory.mktemp("activation")
     ckpt = root / "ckpt"
+    with script_module("run_with_restarts") as runner:  # its port, free of other jobs' traffic
+        port = runner.free_port()
     first = _run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                  "--master-port", str(_free_port()), "-m", "megatron_ckpt_fixes.run",
+                  "--master-port", str(port), "-m", "megatron_ckpt_fixes.run",
                   "--features", FEATURES, "--", str(TRAIN), *JOB, "--train-iters", "2",
                   "--save", str(ckpt)], root / "torchrun.out")
     assert first[0] == 0, f"the torchrun job failed:\n{first[1][-6000:]}"
