@@ -48,32 +48,24 @@ def _body(cls: type) -> dict[str, tuple]:
     return body
 
 
-def _two_calls(method: Callable[..., Any]) -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+def _two_calls() -> tuple[tuple[Any, Any], tuple[Any, Any]]:
+    """What torch's own ``transform_save_stream`` (unpatched) returns for two items of a save
+    without stream extensions."""
     from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
 
+    method = inspect.unwrap(_StorageWriterTransforms.transform_save_stream)
     transforms = _StorageWriterTransforms([])
     return method(transforms, None, io.BytesIO()), method(transforms, None, io.BytesIO())
 
 
-def _classes_of_two_calls(method: Callable[..., Any]) -> tuple[type, type]:
-    (first, _), (second, _) = _two_calls(method)
-    return type(first), type(second)
-
-
 def _one_class_per_call() -> str | None:
     """Not needed where torch already hands out one class (detected from two calls)."""
-    from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
-
-    first, second = _classes_of_two_calls(
-        inspect.unwrap(_StorageWriterTransforms.transform_save_stream))
-    return "torch builds its item stream wrapper once" if first is second else None
+    (first, _), (second, _) = _two_calls()
+    return "torch builds its item stream wrapper once" if type(first) is type(second) else None
 
 
 def _equal_classes_problems() -> list[str]:
-    from torch.distributed.checkpoint.filesystem import _StorageWriterTransforms
-
-    (wrapper, descriptors), (other, _) = _two_calls(
-        inspect.unwrap(_StorageWriterTransforms.transform_save_stream))
+    (wrapper, descriptors), (other, _) = _two_calls()
     first, second = type(wrapper), type(other)
     raw = io.BytesIO()
     again = first(raw)
