@@ -54,7 +54,7 @@ import torch
 from .._patching import Patch
 from .arena import with_exact_storages
 from .overlap import PendingCopy
-from .staging import POOL, SnapshotStats, StagingPool
+from .staging import POOL, Copies, SnapshotStats, StagingPool
 
 __all__ = ["PATCHES", "POOL", "Layout", "Snapshot", "SnapshotStats", "begin_snapshot",
            "mcore_layout", "needs_copy", "snapshot_request", "snapshotting_schedule", "stats"]
@@ -165,12 +165,13 @@ def begin_snapshot(request: Any, forked: bool, pool: StagingPool = POOL,
     for i, target in zip(positions, targets):
         tensors[i] = target
     request = found.rebuild(tensors)
+    copies = Copies.of(targets, sources)
     wait = _done
     if staging.shared:
-        copying = PendingCopy(functools.partial(pool.fill, targets, sources))
+        copying = PendingCopy(functools.partial(pool.fill, copies))
         request, wait = with_exact_storages(request, copying.reader), copying.wait
     else:
-        pool.fill(targets, sources)
+        pool.fill(copies)
     return Snapshot(request._replace(
         finalize_fns=[functools.partial(pool.release, staging), *request.finalize_fns]), wait)
 

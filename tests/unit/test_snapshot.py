@@ -108,9 +108,9 @@ class FirstOnlyPool(StagingPool):
         out, self.new = staging.targets(tensors)
         return out
 
-    def fill(self, targets: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+    def fill(self, copies) -> None:
         if self.new:
-            super().fill(targets, tensors)
+            super().fill(copies)
 
 
 class SingleSetPool(StagingPool):
@@ -269,14 +269,14 @@ def test_an_older_request_type_passes_unchanged():
 def test_a_copy_is_exact_for_every_layout_it_meets():
     """The plain memory copy where the bytes are the values, torch's copy for views whose
     bytes are not (a transpose, a conjugate, a negative view)."""
-    from megatron_ckpt_fixes.snapshot.staging import copy_into
+    from megatron_ckpt_fixes.snapshot.staging import Copies
 
     real = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     complex_ = torch.arange(6, dtype=torch.float32) * (1 + 2j)
     for source in (real, real.t(), complex_.conj(), torch.ops.aten._neg_view(complex_),
                    torch.empty(0), torch.arange(5, dtype=torch.int8)):
         target = torch.empty(source.shape, dtype=source.dtype)
-        copy_into(target, source)
+        Copies.of([target], [source]).run()
         assert torch.equal(target, source.resolve_conj().resolve_neg())
 
 
@@ -287,13 +287,13 @@ class SlowPool(StagingPool):
         super().__init__()
         self.fail = fail
 
-    def fill(self, targets: list[torch.Tensor], tensors: list[torch.Tensor]) -> None:
+    def fill(self, copies) -> None:
         import time
 
         time.sleep(0.2)
         if self.fail:
             raise OSError("copy failed")
-        super().fill(targets, tensors)
+        super().fill(copies)
 
 
 def _schedule(pool: StagingPool, run_preload: bool):
