@@ -60,6 +60,7 @@ from .._patching import Patch
 from ..activation import switched_on
 from .algorithms import DEFAULT
 from .file_writer import files_at_finish
+from .frames import replay_allowed, replaying_save
 from .hashing import ItemTap, checksum_of
 from .record import ChecksumRecord, remove_record, write_record
 
@@ -114,16 +115,17 @@ _record = threading.local()
 
 @contextmanager
 def _without_torch_crc32(transforms: Any) -> Iterator[None]:
-    """torch's CRC-32 off for the records this thread serializes in the block, unless a
-    stream transform (compression, ...) puts the bytes somewhere the checksum cannot vouch
-    for."""
+    """torch's CRC-32 off for the records this thread serializes in the block (and their
+    framing replayed, :mod:`.frames`), unless a stream transform (compression, ...) puts the
+    bytes somewhere the checksum cannot vouch for."""
     if getattr(transforms, "extensions", ()):
         yield
         return
     outer = getattr(_record, "checksummed", False)
     _record.checksummed = True
     try:
-        yield
+        with replay_allowed():
+            yield
     finally:
         _record.checksummed = outer
 
@@ -309,6 +311,17 @@ PATCHES: tuple[Patch, ...] = (
         not_needed=crc32_kept,
         why="the records the writer checksums skip torch's unchecked CRC-32 (this thread "
             "only; every other torch.save keeps the user's setting)",
+    ),
+    Patch(
+        name="checksums.torch_save_frames",
+        target="torch",
+        attr="save",
+        build=replaying_save,
+        not_needed=crc32_kept,
+        optional=True,  # a speed-up: where it cannot be applied, torch.save is torch's
+        why="inside the records the writer checksums, torch.save's framing of a tensor is "
+            "replayed from an earlier save of the same layout (this thread only; the same "
+            "bytes)",
     ),
     Patch(
         name="checksums.finish",
