@@ -80,7 +80,9 @@ def _address(view: memoryview) -> int:
 
 class _Recorder:
     """Forwards torch's writes to the real stream and records them, the storage's bytes
-    (told by their address and size) as :data:`STORAGE`."""
+    (told by their address and size) as :data:`STORAGE`, and torch's small writes between
+    two of those or a flush as one piece (a replay of an item is then about 5 writes, not
+    40: the same bytes, in the same order)."""
 
     def __init__(self, raw: Any, storage: torch.UntypedStorage) -> None:
         self.raw = raw
@@ -93,6 +95,8 @@ class _Recorder:
         if view.nbytes == self._nbytes and _address(view) == self._at:
             self.pieces.append(STORAGE)
             self.storage_writes += 1
+        elif self.pieces and self.pieces[-1]:  # after other bytes: one write when replayed
+            self.pieces[-1] += bytes(view)
         else:
             self.pieces.append(bytes(view))
         return self.raw.write(data)
