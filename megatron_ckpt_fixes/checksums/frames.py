@@ -6,10 +6,9 @@ For a plain CPU tensor, with torch's CRC-32 off (the records the checksums featu
 for, :mod:`.writer`), what those writes hold depends only on the tensor's layout (dtype,
 shape, strides, storage offset and size) and torch's settings, never on its values: two
 saves of equal layouts differ only in the storage's bytes. Building that framing costs about
-0.3 ms of Python per item, a fifth of the writer's time for MB-sized tensors on tmpfs and
-more for small ones: on a rank's 240 items of the realistic benchmark (0.563 GiB, tmpfs, two
-ranks, median of 10 saves) 0.44-0.49 s per save against 0.40-0.44 s with the framing
-replayed.
+0.3 ms of Python per item: the realistic benchmark's save (two ranks, 240 items and 0.563 GiB
+each, tmpfs, megatron-core 0.16.1, medians of 10 saves) took 0.48-0.55 s with torch's own
+framing, 0.37-0.42 s with it replayed.
 
 So inside a checksummed record (:func:`replay_allowed`), the patched ``torch.save`` keeps
 what torch wrote for a layout: the first save of a layout is torch's own, recorded; the

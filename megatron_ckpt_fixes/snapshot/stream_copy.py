@@ -7,13 +7,13 @@ stores only for single copies above a threshold derived from the shared cache si
 on a host with 300 MiB of L3), so each MB-sized tensor is copied with cached stores, which
 read every destination line from memory before overwriting it: a third more memory traffic.
 Measured on 0.563 GiB of 2.4 MB tensors, one thread: 0.065-0.071 s against 0.090-0.096 s for
-``memmove``; in the save benchmark (two ranks copying at once, nine runs) 93-119 ms against
-110-157 ms.
+``memmove`` (a host with 300 MiB of L3).
 
 The whole snapshot is one call (:class:`ByteCopies`): the copy runs on a thread of the trainer
 while the request is handed over, and a call per tensor would take the GIL back between two
 tensors, which the trainer's thread holds while it pickles the request (measured beside a
-thread that pickles: 0.45-0.82 s against 0.05-0.14 s for 240 tensors of 2.4 MB).
+thread that pickles: 0.45-0.82 s against 0.05-0.14 s for 240 tensors of 2.4 MB; in the save
+benchmark, two ranks copying at once, 69-93 ms per rank in one call).
 
 No extension module to build: the copy is 209 bytes of x86-64 machine code (SSE2, which
 every x86-64 CPU has), placed in a page of its own that is made executable and never

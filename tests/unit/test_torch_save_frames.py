@@ -114,3 +114,37 @@ def test_torchs_own_save_wherever_the_framing_could_say_more(crc_off, case):
                 else:
                     save(tensor, buffer)
     assert len(calls) == 3
+
+
+@pytest.mark.parametrize("numel", [100_000, 1000])  # through the checksum's tap; in memory
+def test_megatron_cores_writer_replays_and_its_records_load_bitwise(numel):
+    """megatron-core's ``_write_item`` as its writer calls it, after ``install``: from the
+    third record of a layout on, replayed; every record loads bitwise with plain torch and
+    carries the checksum of its bytes as written."""
+    import megatron_ckpt_fixes
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+    from torch.distributed.checkpoint.filesystem import (SerializationFormat,
+                                                         _StorageWriterTransforms)
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+
+    from megatron_ckpt_fixes.checksums.hashing import checksum_of
+
+    frames._frames.clear()
+    megatron_ckpt_fixes.install(["compat.cpu", "checksums"])
+    try:
+        assert "checksums.torch_save_frames" in megatron_ckpt_fixes.installed()
+        for seed in range(3):
+            tensor = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
+            stream = io.BytesIO()
+            result = filesystem_async._write_item(
+                _StorageWriterTransforms(), stream, tensor,
+                WriteItem(MetadataIndex("t"), WriteItemType.TENSOR), "key",
+                SerializationFormat.TORCH_SAVE)
+            record = stream.getvalue()
+            assert torch.equal(torch.load(io.BytesIO(record), weights_only=True), tensor)
+            assert result.checksum[1] == checksum_of(record)
+        assert frames._frames[frames.layout_of(tensor)][1]  # replayed from the third on
+    finally:
+        megatron_ckpt_fixes.uninstall()
+        frames._frames.clear()
