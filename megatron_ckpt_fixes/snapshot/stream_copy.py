@@ -59,13 +59,10 @@ _BLOCK = 128  # bytes the streaming loop copies per iteration
 #:       r8 += 24 ; r9 -= 1 ; jnz entry
 #:   done: sfence ; ret
 #:
-#: One call makes every copy of a snapshot, so the thread that runs it releases the GIL once:
-#: a loop over the tensors in Python takes the GIL back between two tensors, and while the
-#: trainer's thread pickles the request it gets it only at the interpreter's switch interval
-#: (5 ms): 0.45-0.82 s against 0.045-0.072 s for 240 tensors of 2.4 MB, measured beside a
-#: thread that pickles. ``sfence`` orders the streaming stores before whatever the caller does
-#: next (the copy's end is signalled to the worker by a later write). The direction flag is
-#: clear on entry (the SysV ABI), so ``rep movsb`` copies forward.
+#: One call makes every copy of a snapshot, so its thread releases the GIL once (the
+#: module's docstring says why). ``sfence`` orders the streaming stores before whatever the
+#: caller does next (the copy's end is signalled to the worker by a later write). The
+#: direction flag is clear on entry (the SysV ABI), so ``rep movsb`` copies forward.
 _COPY_MANY_X86_64 = bytes.fromhex(
     "f30f1efa4989f84989f14989d24d85c90f84b7000000498b38498b7008498b50104c39d20f8291000000"
     "4889f948f7d94883e13f4829caf3a44889d14883e1804829ca4885c974730f188e000400000f188e4004"
