@@ -12,8 +12,10 @@ installed in the running Python (never a megatron/ source tree: the plugin check
 installed wheel does not ship ``megatron.training`` (0.16), the suite's helpers import it from
 the same snapshot.
 
-Runs one feature set at a time (the machine may be shared); each run writes OUT/<features>/
-rank<N>.xml and rank<N>.log, and cuda_sites-rank<N>.json (the lines that asked for CUDA).
+Runs one feature set at a time (the machine may be shared), or all at once with
+``--concurrent`` (a run's ranks wait on each other about 40 % of the time at 2 ranks: two runs
+side by side keep the cores busy; CI). Each run writes OUT/<features>/rank<N>.xml and
+rank<N>.log, and cuda_sites-rank<N>.json (the lines that asked for CUDA).
 OUT/compare-<a>-vs-<b>.md is the comparison (see compare.py). Exit code 1 if any test's
 outcome, or the exception class of a test failing in both, differs between the first feature
 set and another.
@@ -25,7 +27,6 @@ import argparse
 import importlib.util
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -38,7 +39,8 @@ import compare
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
-import upstream_snapshots  # noqa: E402 - scripts/ itself is not a package
+import run_with_restarts  # noqa: E402 - scripts/ itself is not a package
+import upstream_snapshots  # noqa: E402
 
 SUITE_PATHS = ("tests/__init__.py", "tests/test_utils", "tests/unit_tests")
 TRAINING_PATHS = ("megatron/training", "megatron/legacy", "megatron/rl")
@@ -69,24 +71,25 @@ def write_pytest_ini(tree: Path, suite: Path) -> None:
     (suite / "pytest.ini").write_text("\n".join(lines) + "\n")
 
 
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+def _free_ports(count: int) -> list[int]:
+    """``count`` distinct ports for the runs' stores, free now and drawn below the kernel's
+    ephemeral range, where the gloo connections of a run started beside them cannot take
+    them (``run_with_restarts.free_port``)."""
+    ports: list[int] = []
+    while len(ports) < count:
+        port = run_with_restarts.free_port()
+        if port not in ports:
+            ports.append(port)
+    return ports
 
 
 #: Exit code of a run that outlived ``--run-timeout`` (as ``timeout(1)`` says it).
 TIMED_OUT = 124
 
 
-def run_suite(suite: Path, features: str, out: Path, nproc: int, python_path: list[Path],
-              pytest_args: list[str], run_timeout: float) -> tuple[int, float]:
-    """One run of the suite on ``nproc`` ranks with ``MCF_FEATURES=features``.
-
-    A rank stuck in a collective that its peer left (a gloo connection that failed under
-    load, say) can block the run for good; past ``run_timeout`` every process of the run
-    is killed and the run counts as failed (:data:`TIMED_OUT`)."""
-    port = _free_port()
+def start_suite(suite: Path, features: str, out: Path, nproc: int, python_path: list[Path],
+                pytest_args: list[str], port: int) -> subprocess.Popen:
+    """Start one run of the suite on ``nproc`` ranks with ``MCF_FEATURES=features``."""
     env = dict(os.environ,
                MCF_FEATURES=features,
                MCF_SITES_OUT=str(out / "cuda_sites-rank{rank}.json"),
@@ -102,17 +105,22 @@ def run_suite(suite: Path, features: str, out: Path, nproc: int, python_path: li
     else:
         command = [sys.executable, "-m", "torch.distributed.run", f"--nproc-per-node={nproc}",
                    f"--master-port={port}", *launcher[1:]]
-    start = time.monotonic()
-    process = subprocess.Popen(command, cwd=suite, env=env)
+    return subprocess.Popen(command, cwd=suite, env=env)
+
+
+def wait_suite(process: subprocess.Popen, deadline: float) -> int:
+    """The run's exit code. A rank stuck in a collective that its peer left (a gloo
+    connection that failed under load, say) can block the run for good; past ``deadline``
+    (``time.monotonic()``) every process of the run is killed and the run counts as failed
+    (:data:`TIMED_OUT`)."""
     try:
-        code = process.wait(timeout=run_timeout)
+        return process.wait(timeout=max(0.0, deadline - time.monotonic()))
     except subprocess.TimeoutExpired:
         # torchrun starts each rank in a session of its own: kill the whole tree
         for child in [*psutil.Process(process.pid).children(recursive=True), process]:
             child.kill()
         process.wait()
-        code = TIMED_OUT
-    return code, time.monotonic() - start
+        return TIMED_OUT
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,6 +135,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=int, default=300, help="per-test timeout, seconds")
     parser.add_argument("--run-timeout", type=float, default=3600,
                         help="limit of one feature set's run, seconds (a hang fails the run)")
+    parser.add_argument("--concurrent", action="store_true",
+                        help="run the feature sets side by side (a machine of their own)")
     parser.add_argument("pytest_args", nargs="*",
                         help=f"tests and pytest options after -- (default: {DEFAULT_TESTS})")
     args = parser.parse_args(argv)
@@ -146,18 +156,31 @@ def main(argv: list[str] | None = None) -> int:
                    "--continue-on-collection-errors",
                    *(args.pytest_args or [DEFAULT_TESTS])]
 
+    outs = [args.out / features.replace(",", "+") for features in feature_sets]
+    ports = _free_ports(len(feature_sets))
     runs = []
-    for features in feature_sets:
-        out = args.out / features.replace(",", "+")
-        out.mkdir(parents=True, exist_ok=True)
-        code, seconds = run_suite(suite, features, out, args.nproc, python_path, pytest_args,
-                                  args.run_timeout)
-        print(f"MCF_FEATURES={features}: pytest exit {code} in {seconds:.0f} s ({out})")
-        if code == TIMED_OUT:
-            print(f"MCF_FEATURES={features}: killed after --run-timeout {args.run_timeout:.0f} s "
-                  f"(a rank hung; see {out}/rank*.log); no comparison")
+    # side by side: every run starts now; one after the other: each starts when the last ended
+    batches = [list(range(len(outs)))] if args.concurrent else [[i] for i in range(len(outs))]
+    for batch in batches:
+        start = time.monotonic()
+        processes = {}
+        for i in batch:
+            outs[i].mkdir(parents=True, exist_ok=True)
+            processes[i] = start_suite(suite, feature_sets[i], outs[i], args.nproc, python_path,
+                                       pytest_args, ports[i])
+        codes = {i: wait_suite(process, start + args.run_timeout)
+                 for i, process in processes.items()}
+        for i, code in codes.items():
+            print(f"MCF_FEATURES={feature_sets[i]}: pytest exit {code} in "
+                  f"{time.monotonic() - start:.0f} s ({outs[i]})")
+        hung = [i for i, code in codes.items() if code == TIMED_OUT]
+        if hung:
+            for i in hung:
+                print(f"MCF_FEATURES={feature_sets[i]}: killed after --run-timeout "
+                      f"{args.run_timeout:.0f} s (a rank hung; see {outs[i]}/rank*.log); "
+                      "no comparison")
             return 1
-        runs.append(out)
+        runs += [outs[i] for i in batch]
 
     differs = False
     for other in runs[1:]:
