@@ -71,6 +71,19 @@ def start_writeback(stream: Any, start: int, end: int) -> bool:
     return True
 
 
+def _span(result: Any) -> tuple[int, int] | None:
+    """The file range ``[start, end)`` an item was written to, as its write result names it
+    (torch's ``_StorageInfo``: the offset and length ``.metadata`` records), or None. Read
+    from the result, not from the stream: two ``tell()`` calls per item are two syscalls,
+    each a release of the GIL that the writer's other thread holds on to (about 1 % of a
+    save on tmpfs)."""
+    info = getattr(result, "storage_data", None)
+    offset, length = getattr(info, "offset", None), getattr(info, "length", None)
+    if isinstance(offset, int) and isinstance(length, int):
+        return offset, offset + length
+    return None
+
+
 def writing_back_write_item(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap the writer's ``_write_item``: once a large item is in the file, its bytes start
     going to disk."""
@@ -78,15 +91,11 @@ def writing_back_write_item(original: Callable[..., Any]) -> Callable[..., Any]:
 
     @functools.wraps(original)
     def _write_item(*args: Any, **kwargs: Any) -> Any:
-        stream = args[stream_at] if stream_at < len(args) else kwargs["stream"]
-        try:
-            start = stream.tell()
-        except (AttributeError, OSError, io.UnsupportedOperation):
-            return original(*args, **kwargs)
         result = original(*args, **kwargs)
-        end = stream.tell()
-        if isinstance(start, int) and isinstance(end, int) and end - start >= MIN_BYTES:
-            start_writeback(stream, start, end)  # (a stand-in stream's positions: nothing)
+        span = _span(result)
+        if span is not None and span[1] - span[0] >= MIN_BYTES:
+            stream = args[stream_at] if stream_at < len(args) else kwargs["stream"]
+            start_writeback(stream, *span)
         return result
 
     return _write_item
