@@ -134,7 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nproc", type=int, default=1, help="ranks (torchrun when > 1)")
     parser.add_argument("--timeout", type=int, default=300, help="per-test timeout, seconds")
     parser.add_argument("--run-timeout", type=float, default=3600,
-                        help="limit of one feature set's run, seconds (a hang fails the run)")
+                        help="limit of one feature set's run (of the runs side by side), seconds "
+                             "(a hang fails the run)")
     parser.add_argument("--concurrent", action="store_true",
                         help="run the feature sets side by side (a machine of their own)")
     parser.add_argument("pytest_args", nargs="*",
@@ -157,22 +158,22 @@ def main(argv: list[str] | None = None) -> int:
                    *(args.pytest_args or [DEFAULT_TESTS])]
 
     outs = [args.out / features.replace(",", "+") for features in feature_sets]
-    ports = _free_ports(len(feature_sets))
     runs = []
     # side by side: every run starts now; one after the other: each starts when the last ended
     batches = [list(range(len(outs)))] if args.concurrent else [[i] for i in range(len(outs))]
     for batch in batches:
         start = time.monotonic()
         processes = {}
-        for i in batch:
+        for i, port in zip(batch, _free_ports(len(batch))):
             outs[i].mkdir(parents=True, exist_ok=True)
             processes[i] = start_suite(suite, feature_sets[i], outs[i], args.nproc, python_path,
-                                       pytest_args, ports[i])
+                                       pytest_args, port)
         codes = {i: wait_suite(process, start + args.run_timeout)
                  for i, process in processes.items()}
+        seconds = time.monotonic() - start
         for i, code in codes.items():
-            print(f"MCF_FEATURES={feature_sets[i]}: pytest exit {code} in "
-                  f"{time.monotonic() - start:.0f} s ({outs[i]})")
+            print(f"MCF_FEATURES={feature_sets[i]}: pytest exit {code} ({outs[i]})")
+        print(f"{' and '.join(feature_sets[i] for i in batch)}: {seconds:.0f} s")
         hung = [i for i, code in codes.items() if code == TIMED_OUT]
         if hung:
             for i in hung:
