@@ -158,7 +158,6 @@ def main(argv: list[str] | None = None) -> int:
                    *(args.pytest_args or [DEFAULT_TESTS])]
 
     outs = [args.out / features.replace(",", "+") for features in feature_sets]
-    runs = []
     # side by side: every run starts now; one after the other: each starts when the last ended
     batches = [list(range(len(outs)))] if args.concurrent else [[i] for i in range(len(outs))]
     for batch in batches:
@@ -181,13 +180,12 @@ def main(argv: list[str] | None = None) -> int:
                       f"{args.run_timeout:.0f} s (a rank hung; see {outs[i]}/rank*.log); "
                       "no comparison")
             return 1
-        runs += [outs[i] for i in batch]
 
     differs = False
-    for other in runs[1:]:
-        text, diff = compare.report(runs[0].name, other.name,
-                                    compare.load_run(runs[0]), compare.load_run(other))
-        (args.out / f"compare-{runs[0].name}-vs-{other.name}.md").write_text(text)
+    for other in outs[1:]:  # every run ended (a hung one returned above)
+        text, diff = compare.report(outs[0].name, other.name,
+                                    compare.load_run(outs[0]), compare.load_run(other))
+        (args.out / f"compare-{outs[0].name}-vs-{other.name}.md").write_text(text)
         print(text)
         differs |= diff
     return 1 if differs else 0
