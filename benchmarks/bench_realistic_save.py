@@ -200,12 +200,12 @@ def _raw_write(tensors: list[torch.Tensor], directory: str, rank: int, files: in
     """Each file's share of the bytes written by its own thread, then fsynced; ``early``:
     each tensor of at least ``writeback.MIN_BYTES`` handed to the disk once written."""
     def write(part: int) -> None:
+        end = 0  # the file's length so far: no tell() per tensor (a syscall), as the save's hint
         with open(os.path.join(directory, f"raw_{rank}_{part}"), "wb") as f:
             for tensor in tensors[part::files]:
-                start = f.tell()
-                f.write(memoryview(tensor.numpy()).cast("B"))
-                if early and f.tell() - start >= writeback.MIN_BYTES:
-                    writeback.start_writeback(f, start, f.tell())
+                start, end = end, end + f.write(memoryview(tensor.numpy()).cast("B"))
+                if early and end - start >= writeback.MIN_BYTES:
+                    writeback.start_writeback(f, start, end)
             os.fsync(f.fileno())
 
     threads = [threading.Thread(target=write, args=(p,)) for p in range(files)]
