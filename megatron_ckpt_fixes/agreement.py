@@ -12,7 +12,8 @@ shared decisions and rank-local failures into one error:
 - :func:`same`: do all ranks hold the same value (a plan, a layout)? One all_reduce of a
   digest; the values are gathered only when the digests differ.
 - :func:`bounds`: per position, the least and greatest value the ranks hold there (are the
-  digests of a chunk equal wherever it is held?). One all_reduce, whatever the world size.
+  digests of a chunk equal wherever it is held?), and whether any rank failed. One
+  all_reduce, whatever the world size.
 - :func:`gather`: facts every rank needs in full (local shapes, slot ranges); not a decision.
 
 A failure becomes the same error on every rank, built by ``raise_as(what, {rank: report})``
@@ -70,14 +71,22 @@ def _max_reduce(values: list[int], group: Any) -> list[int]:
 BOUND = 1 << 62
 
 
-def bounds(values: list[int | None], group: Any = None) -> list[tuple[int, int] | None]:
+def bounds(values: list[int | None], group: Any = None, error: Any | None = None,
+           what: str = "", raise_as: RaiseAs = AgreementError) -> list[tuple[int, int] | None]:
     """Per position, ``(least, greatest)`` of the values the ranks hold there (None: no rank
-    holds one); each value in ``[0, BOUND)``. One all_reduce(MAX) of ``[v, -v]``."""
+    holds one); each value in ``[0, BOUND)``. One all_reduce(MAX) of ``[v, -v]`` and, as in
+    :func:`agree`, whether any rank failed (``error``: this rank's report; then the same
+    error on every rank)."""
     n = len(values)
     if rank_and_size(group)[1] == 1:
+        if error is not None:
+            raise raise_as(what, {0: error})
         return [None if v is None else (v, v) for v in values]
     votes = _max_reduce([-1 if v is None else v for v in values]
-                        + [-BOUND if v is None else -v for v in values], group)
+                        + [-BOUND if v is None else -v for v in values]
+                        + [int(error is not None)], group)
+    if votes[-1]:
+        _raise_gathered(error, what, group, raise_as)
     return [None if votes[i] < 0 else (-votes[n + i], votes[i]) for i in range(n)]
 
 

@@ -7,9 +7,9 @@
    one of the last save whose replicas agreed says only that (one agreed flag): when no rank
    changed, every rank reuses that save's shared set, so the steady state gathers nothing.
 2. Every rank digests the shared chunks it holds, main or not, and one all_reduce gives each
-   chunk's least and greatest digest over the ranks holding it. Only where they differ are
-   the digests of those chunks gathered, so that every rank names the same ranks in the same
-   error (:mod:`.verdict`).
+   chunk's least and greatest digest over the ranks holding it, and whether any rank failed
+   to digest. Only where they differ are the digests of those chunks gathered, so that every
+   rank names the same ranks in the same error (:mod:`.verdict`).
 
 Tensors are digested when a save plan is made: on every save, except where every rank's
 strategy reuses a cached plan (``--ckpt-assume-constant-structure``: the caller promises that
@@ -26,7 +26,7 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable
 
-from ..agreement import BOUND, agree, bounds, check, describe_failures, gather, rank_and_size
+from ..agreement import BOUND, agree, bounds, describe_failures, gather, rank_and_size
 from ..structure.signature import compute_signature
 from .claims import COMMON_CHUNK, TENSOR, ChunkId, local_claims
 from .digest import value_digest
@@ -110,10 +110,10 @@ def check_replicas(sharded_part: Any, common_state: Callable[[], Any], checkpoin
     try:
         digests = {chunk: (claims[chunk].replica_id, value_digest(claims[chunk].value) % BOUND)
                    for chunk in due if chunk in claims}
-    except Exception as exc:  # noqa: BLE001 - raised on every rank by check()
+    except Exception as exc:  # noqa: BLE001 - raised on every rank by bounds()
         error = f"cannot digest the chunks it shares: {type(exc).__name__}: {exc}"
-    check(error, what, group, raise_as=_raise_as)
-    spans = bounds([digests[c][1] if c in digests else None for c in due], group)
+    spans = bounds([digests[c][1] if c in digests else None for c in due], group, error, what,
+                   _raise_as)
     odd = [chunk for chunk, span in zip(due, spans) if span is not None and span[0] != span[1]]
     if odd:  # the same on every rank: gather the digests of those chunks to name the ranks
         held = gather({chunk: digests[chunk] for chunk in odd if chunk in digests}, group)

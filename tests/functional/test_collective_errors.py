@@ -53,7 +53,7 @@ def _errors_worker(rank: int, ws: int) -> dict[str, str]:
     from megatron.core import dist_checkpointing as dc
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
-    from megatron_ckpt_fixes.agreement import AgreementError, agree
+    from megatron_ckpt_fixes.agreement import AgreementError, agree, bounds
     from megatron_ckpt_fixes.load_errors import CheckpointLoadError
 
     megatron_ckpt_fixes.install()
@@ -64,6 +64,11 @@ def _errors_worker(rank: int, ws: int) -> dict[str, str]:
         agree(False, "key 'emb': cannot plan" if rank == 1 else None, "planning")
     except AgreementError as exc:
         out["agree"] = str(exc)
+    assert bounds([5 + rank, None, 7 if rank else None]) == [(5, 6), None, (7, 7)]
+    try:  # the digests' reduce also carries the failures (one collective, not two)
+        bounds([1], error="cannot digest 'w'" if rank == 0 else None, what="digesting")
+    except AgreementError as exc:
+        out["bounds"] = str(exc)
 
     root = [tempfile.mkdtemp() if rank == 0 else None]
     dist.broadcast_object_list(root, src=0)
@@ -87,6 +92,8 @@ def test_an_error_on_one_rank_is_raised_on_all(errors):
     results = errors
     assert results[0].value == results[1].value
     assert "rank 1: key 'emb': cannot plan" in results[0].value["agree"]
+    bounds_error = "digesting failed on 1 rank(s):\n  rank 0: cannot digest 'w'"
+    assert results[0].value["bounds"] == bounds_error
 
 
 def test_a_load_mismatch_names_key_rank_and_cause_on_every_rank(errors):

@@ -11,6 +11,7 @@ upstream, and then ranks 1-3 load rank 0's values. Four gloo ranks, one spawn, e
 - a difference on rank 3 only (a check of rank 0 against rank 1 passes it);
 - under a cached save plan (``--ckpt-assume-constant-structure``), an object that differs in
   the second save of an unchanged structure (objects are checked every save);
+- (fixed only) an object that rank 2 cannot digest: the same error on every rank;
 
 upstream: each saves and loads rank 0's values on every rank (asserted, so a fix upstream
 shows); fixed: each fails on every rank with the same error, one line per chunk naming the
@@ -45,6 +46,13 @@ def _drop_rank(common: dict) -> dict:
     return {**common, "args": {k: v for k, v in common["args"].items() if k != "rank"}}
 
 
+class _Undigestable:
+    """A value that cannot be pickled (so cannot be digested), held by one rank."""
+
+    def __reduce__(self):
+        raise TypeError("cannot pickle _Undigestable")
+
+
 def _state(rank: int, ws: int, case: str) -> tuple[dict, Callable | None]:
     """The state dict one rank saves in ``case``, and the caller's preprocessing."""
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
@@ -66,6 +74,9 @@ def _state(rank: int, ws: int, case: str) -> tuple[dict, Callable | None]:
         sd["r"] = ShardedTensor.from_rank_offsets("r", torch.full((2,), value), replica_id=rank)
     elif case == "common":
         lr = 0.5 + (rank == 2)
+    elif case == "undigestable":  # fixed side only: upstream's own save fails on rank 2 alone
+        value = _Undigestable() if rank == 2 else 1
+        sd["u"] = ShardedObject("u", value, (1,), (0,), replica_id=rank)
     elif case in ("equal", "preprocessed", "object3"):  # object3: equal's structure
         sd["r"] = ShardedTensor.from_rank_offsets("r", torch.full((2,), 4.25), replica_id=rank)
         step = 12 + (case == "object3" and rank == 3)  # rank 3's step, in the same structure
@@ -167,6 +178,7 @@ def _side(rank: int, ws: int, root: str, features: list[str] | None) -> dict:
     out["cached_first"] = _save(rank, ws, "equal", os.path.join(root, "cached1"), strategy)
     out["cached_second"] = _save(rank, ws, "object3", os.path.join(root, "cached2"), strategy)
     if fixed:
+        out["undigestable"] = _save(rank, ws, "undigestable", os.path.join(root, "undigestable"))
         out["previous_unchanged"] = _files(previous) == before
     return out
 
@@ -236,6 +248,15 @@ def test_equal_replicas_and_preprocessed_differences_save_and_load_exactly(ranks
                 assert loaded["r"] == [4.25, 4.25] and loaded["o"] == {"step": 12}
                 assert loaded["args"] == ({"lr": 0.5} if case == "equal"
                                           else {"rank": 0, "lr": 0.5})  # rank 0's args
+
+
+def test_a_rank_that_cannot_digest_fails_the_save_on_every_rank(ranks):
+    errors = {r["fixed"]["undigestable"] for r in ranks}
+    assert len(errors) == 1, errors  # the same error on every rank, none left waiting
+    error = errors.pop()
+    assert error is not None and error.startswith("ReplicaMismatchError: "), error
+    assert ("rank 2: cannot digest the chunks it shares: TypeError: cannot pickle "
+            "_Undigestable" in error), error
 
 
 def test_a_refused_save_leaves_the_previous_checkpoint_as_it_was(ranks):
