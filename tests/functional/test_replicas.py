@@ -74,7 +74,7 @@ def _state(rank: int, ws: int, case: str) -> tuple[dict, Callable | None]:
         sd["r"] = ShardedTensor.from_rank_offsets("r", torch.full((2,), value), replica_id=rank)
     elif case == "common":
         lr = 0.5 + (rank == 2)
-    elif case == "undigestable":  # fixed side only: upstream's own save fails on rank 2 alone
+    elif case == "undigestable":  # fixed side only: the check itself fails, on one rank
         value = _Undigestable() if rank == 2 else 1
         sd["u"] = ShardedObject("u", value, (1,), (0,), replica_id=rank)
     elif case in ("equal", "preprocessed", "object3"):  # object3: equal's structure
