@@ -71,25 +71,6 @@ def _max_reduce(values: list[int], group: Any) -> list[int]:
 BOUND = 1 << 62
 
 
-def bounds(values: list[int | None], group: Any = None, error: Any | None = None,
-           what: str = "", raise_as: RaiseAs = AgreementError) -> list[tuple[int, int] | None]:
-    """Per position, ``(least, greatest)`` of the values the ranks hold there (None: no rank
-    holds one); each value in ``[0, BOUND)``. One all_reduce(MAX) of ``[v, -v]`` and, as in
-    :func:`agree`, whether any rank failed (``error``: this rank's report; then the same
-    error on every rank)."""
-    n = len(values)
-    if rank_and_size(group)[1] == 1:
-        if error is not None:
-            raise raise_as(what, {0: error})
-        return [None if v is None else (v, v) for v in values]
-    votes = _max_reduce([-1 if v is None else v for v in values]
-                        + [-BOUND if v is None else -v for v in values]
-                        + [int(error is not None)], group)
-    if votes[-1]:
-        _raise_gathered(error, what, group, raise_as)
-    return [None if votes[i] < 0 else (-votes[n + i], votes[i]) for i in range(n)]
-
-
 def gather(value: Any, group: Any = None) -> list[Any]:
     """Every rank's ``value``, in rank order, on every rank (one ``all_gather_object``)."""
     rank, world = rank_and_size(group)
@@ -105,6 +86,34 @@ def _raise_gathered(error: Any, what: str, group: Any, raise_as: RaiseAs) -> Non
     raise raise_as(what, {r: e for r, e in enumerate(gathered) if e is not None})
 
 
+def _voted(values: list[int], error: Any | None, what: str, group: Any,
+           raise_as: RaiseAs) -> list[int]:
+    """``values`` reduced with MAX over the ranks in one all_reduce that also carries whether
+    any rank failed (``error``: this rank's report); then the same error on every rank. On
+    its own, a rank raises its own error or keeps its values."""
+    rank, world = rank_and_size(group)
+    if world == 1:
+        if error is not None:
+            raise raise_as(what, {rank: error})
+        return values
+    *votes, failed = _max_reduce([*values, int(error is not None)], group)
+    if failed:
+        _raise_gathered(error, what, group, raise_as)
+    return votes
+
+
+def bounds(values: list[int | None], group: Any = None, error: Any | None = None,
+           what: str = "", raise_as: RaiseAs = AgreementError) -> list[tuple[int, int] | None]:
+    """Per position, ``(least, greatest)`` of the values the ranks hold there (None: no rank
+    holds one); each value in ``[0, BOUND)``. One all_reduce(MAX) of ``[v, -v]`` and, as in
+    :func:`agree`, whether any rank failed (``error``: this rank's report; then the same
+    error on every rank)."""
+    n = len(values)
+    votes = _voted([-1 if v is None else v for v in values]
+                   + [-BOUND if v is None else -v for v in values], error, what, group, raise_as)
+    return [None if votes[i] < 0 else (-votes[n + i], votes[i]) for i in range(n)]
+
+
 def agree(flag: bool, error: Any | None, what: str, group: Any = None,
           raise_as: RaiseAs = AgreementError) -> bool:
     """Whether ``flag`` is set on any rank; the same error on every rank if any rank failed.
@@ -112,14 +121,7 @@ def agree(flag: bool, error: Any | None, what: str, group: Any = None,
     ``error`` is this rank's failure report (a text, or any picklable report) or None.
     Collective: every rank of ``group`` calls it at the same point.
     """
-    rank, world = rank_and_size(group)
-    if world == 1:
-        if error is not None:
-            raise raise_as(what, {rank: error})
-        return flag
-    any_flag, any_failed = _max_reduce([int(flag), int(error is not None)], group)
-    if any_failed:
-        _raise_gathered(error, what, group, raise_as)
+    any_flag, = _voted([int(flag)], error, what, group, raise_as)
     return bool(any_flag)
 
 
@@ -184,15 +186,9 @@ def same(value: Any, what: str, group: Any = None, raise_as: RaiseAs = Agreement
     compared with ``==``, so a value whose pickle is not canonical costs a gather but is
     never reported falsely. The message names the ranks that differ from rank 0.
     """
-    rank, world = rank_and_size(group)
-    if world == 1:
-        if error is not None:
-            raise raise_as(what, {rank: error})
-        return
-    digest = _digest(value) if error is None else 0
-    high, neg_low, failed = _max_reduce([digest, -digest, int(error is not None)], group)
-    if failed:
-        _raise_gathered(error, what, group, raise_as)
+    alone = rank_and_size(group)[1] == 1
+    digest = _digest(value) if error is None and not alone else 0
+    high, neg_low = _voted([digest, -digest], error, what, group, raise_as)
     if high == -neg_low:
         return
     values = gather(value, group)
