@@ -12,7 +12,8 @@ mode, told by the directory's file system:
   worker: the whole process tree, reaped children included; summed over the ranks), and
   each feature alone (``install(["compat.cpu", F])``) against upstream, paired per round:
   ``snapshot`` against upstream's asynchronous save (it acts on asynchronous saves only),
-  the others against upstream's cached save;
+  the others against upstream's cached save; and the default features with the speed-ups
+  that are applied only when named, against the default;
 - disk: what a user on that disk sees, beside the disk's own spread (raw write+fsync
   min/median/max over the rounds), and verification from disk and from the page cache.
 
@@ -107,8 +108,7 @@ import torch
 import torch.distributed as dist
 from bench_cached_save import Spread, max_over_ranks, timed
 
-from megatron_ckpt_fixes import FEATURES, writeback
-from megatron_ckpt_fixes.snapshot import stream_copy
+from megatron_ckpt_fixes import FEATURES, OPTIONAL_FEATURES, SPEEDUPS, writeback
 from megatron_ckpt_fixes.testing import run_ranks
 
 
@@ -124,6 +124,7 @@ class Setup:
     baseline: str | None = None
 
 
+OPTIONAL_SPEEDUPS = [f for f in SPEEDUPS if f in OPTIONAL_FEATURES]
 UPSTREAM, ALL, UPSTREAM_ASYNC, ALL_ASYNC = ("upstream cached", "all fixes", "upstream async",
                                             "all fixes async")
 INTEGRITY = "upstream + integrity"
@@ -133,11 +134,14 @@ SAVES = {UPSTREAM: Setup(["compat.cpu"]), ALL: Setup(None),
          ALL_ASYNC: Setup(None, asynchronous=True)}
 #: Each feature alone on tmpfs; ``snapshot`` acts on asynchronous saves only.
 ALONE = ("structure", "snapshot", "checksums", "writeback", "writer_threads", "write_results",
-         "item_stream", "writer_failures", "replicas")
+         "writer_failures", "replicas")
 assert set(ALONE) <= set(FEATURES), set(ALONE) - set(FEATURES)
-FEATURE_SAVES = {f"{f} alone": Setup(["compat.cpu", f], asynchronous=f == "snapshot",
-                                     baseline=UPSTREAM_ASYNC if f == "snapshot" else UPSTREAM)
-                 for f in ALONE}
+#: The default features plus the speed-ups applied only when named, against the default.
+OPT_IN = "all fixes + opt-in speed-ups"
+FEATURE_SAVES = {**{f"{f} alone": Setup(["compat.cpu", f], asynchronous=f == "snapshot",
+                                        baseline=UPSTREAM_ASYNC if f == "snapshot" else UPSTREAM)
+                    for f in ALONE},
+                 OPT_IN: Setup([*FEATURES, *OPTIONAL_SPEEDUPS], baseline=ALL)}
 TMPFS, DISK = "tmpfs", "disk"
 #: The default rounds of each mode: the disk's own spread needs more pairs to show a median.
 ROUNDS = {TMPFS: 5, DISK: 9}
@@ -688,9 +692,7 @@ def _print(r: dict, args: argparse.Namespace, directory: str) -> None:
     copy_s, copy_bytes, staging, copy_cpu = r["snapshot copy"]
     print(f"  snapshot copy of an async save ({ALL_ASYNC}): {copy_s * 1e3:.1f} ms "
           f"({copy_cpu * 1e3:.1f} ms CPU) for {copy_bytes / GIB:.3f} GiB per rank (median, "
-          f"slowest rank), staging buffers {staging / GIB:.3f} GiB per rank, "
-          + (f"streaming stores for tensors of {stream_copy.MIN_BYTES >> 10} KiB or more"
-             if stream_copy.available() else "memmove"))
+          f"slowest rank), staging buffers {staging / GIB:.3f} GiB per rank")
     if mode == TMPFS:
         writer, helpers, _, _ = r["checksum work"]
         base = statistics.median(times[ALL])

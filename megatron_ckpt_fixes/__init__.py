@@ -1,17 +1,19 @@
 """megatron-ckpt-fixes: distributed checkpoints that cannot save "successfully" and then fail.
 
 ``install()`` puts every fix into the megatron-core entry points users already call
-(``dist_checkpointing.save`` / ``load``, the rerun state machine). Each fix is declared as
-data (:class:`~megatron_ckpt_fixes._patching.Patch`) in the module that implements it; a
-feature's name is that module's path inside the package (``"structure"``,
-``"rerun.sentinel"``), and its module exposes ``PATCHES``. ``install()`` checks everything
-the chosen patches need from upstream before touching anything, then applies them all or
-none; patches whose fix upstream already has (detected from its behaviour) are not applied.
+(``dist_checkpointing.save`` / ``load``, the rerun state machine). Each feature is named in
+:mod:`.features` (a fix, a speed-up or CPU support, and whether it is on by default); its
+module declares what it replaces as data (``PATCHES``: :class:`~._patching.Patch`, or a
+:class:`~._patching.Layer` of an attribute several features wrap, :mod:`.entry_points`).
+``install()`` checks everything the chosen patches need from upstream before touching
+anything, then applies them all or none; patches whose fix upstream already has (detected
+from its behaviour) are not applied.
 
 Most features patch megatron-core. A feature for another system (``SYSTEMS``: MLite, NeMo
-Automodel, TorchEasyRec, Megatron-LM's training package) is applied when that system is imported: at once if it already is,
-right after its first import if it is installed, never where it is not installed
-(``installed()`` says which). Such a feature needs no megatron-core version check.
+Automodel, TorchEasyRec, Megatron-LM's training package) is applied when that system is
+imported: at once if it already is, right after its first import if it is installed, never
+where it is not installed (``installed()`` says which). Such a feature needs no megatron-core
+version check.
 """
 
 from __future__ import annotations
@@ -25,66 +27,40 @@ import threading
 from collections.abc import Iterable
 
 from . import _after_import
-from ._patching import Patch, PatchSet
+from . import save_call
+from ._patching import Declared, PatchSet
 from .compat.versions import check_supported
 from .errors import MegatronCkptFixesError, UnsupportedVersionError
+from .features import BY_NAME, MEGATRON_CORE, REGISTRY, SPEEDUP, canonical, named
 
 __version__ = "0.1.0"
-__all__ = ["FEATURES", "OPTIONAL_FEATURES", "SYSTEMS", "MegatronCkptFixesError",
+__all__ = ["FEATURES", "FIXES", "OPTIONAL_FEATURES", "SPEEDUPS", "SYSTEMS", "MegatronCkptFixesError",
            "UnsupportedVersionError", "__version__", "feature_system", "install", "installed",
            "installed_features", "uninstall"]
 
 logger = logging.getLogger(__name__)
 
-#: Features applied by ``install()``, in this order; each is the module path (inside this
-#: package) of the module declaring its ``PATCHES``. ``install(["compat.cpu"])`` gives plain
-#: upstream behaviour that runs on CPU/gloo, which the "upstream still fails" tests use.
-FEATURES: tuple[str, ...] = (
-    "compat.cpu",
-    "structure",
-    "replicas",
-    "rerun.sentinel",
-    "rerun.stats_report",
-    "rerun.transient_fault",
-    "load_errors",
-    "async_worker",
-    "compat.rerun_device",
-    "dtensor.mcore",
-    "dtensor.mlite",
-    "dtensor.nemo_automodel",
-    "snapshot",
-    "snapshot.nvrx",
-    "checksums",
-    "item_stream",
-    "writeback",  # after checksums: its stream is the file itself, not the checksum's tap
-    "reshard.tzrec",
-    "write_results",
-    "writer_threads",  # before writer_failures: its watch of forked writers wraps this
-    "writer_failures",  # after checksums: its metadata-write hold wraps the record's write
-    "megatron_lm.rng_state",
-)
+#: Features applied by ``install()`` without arguments, in this order (:mod:`.features` says
+#: what each is). ``install(["compat.cpu"])`` gives plain upstream behaviour that runs on
+#: CPU/gloo, which the "upstream still fails" tests use.
+FEATURES: tuple[str, ...] = tuple(f.name for f in REGISTRY if f.default)
 
-#: Features applied only when named: not checkpoint fixes. ``training.cpu_support`` replaces
-#: ``torch`` inside megatron-core's forward/backward/optimizer modules so that GPTModel and
-#: its optimizer train on gloo (scripts/train.py); GPU users do not need it.
-OPTIONAL_FEATURES: tuple[str, ...] = (
-    "training.cpu_support",
-)
+#: Features applied only when named: speed-ups that read private internals, and
+#: ``training.cpu_support`` (replaces ``torch`` inside megatron-core's forward/backward/
+#: optimizer modules so that GPTModel and its optimizer train on gloo; GPU users do not
+#: need it).
+OPTIONAL_FEATURES: tuple[str, ...] = tuple(f.name for f in REGISTRY if not f.default)
+
+#: The default fixes alone, without the speed-ups (``MEGATRON_CKPT_FIXES=fixes``).
+FIXES: tuple[str, ...] = tuple(f.name for f in REGISTRY if f.default and f.kind != SPEEDUP)
+
+#: Every speed-up, default or not.
+SPEEDUPS: tuple[str, ...] = named(SPEEDUP)
 
 #: The package (import name) that a feature patches, for every feature that does not patch
-#: megatron-core. Declared here rather than in the feature's module so that the zero-code
-#: activation can wait for the right import without importing any feature module (they
-#: import torch).
-SYSTEMS: dict[str, str] = {
-    "dtensor.mlite": "megatron.lite",
-    "dtensor.nemo_automodel": "nemo_automodel",
-    "megatron_lm.rng_state": "megatron.training",
-    "reshard.tzrec": "tzrec",
-    "snapshot.nvrx": "nvidia_resiliency_ext",
-}
-
-#: The system of every feature not in ``SYSTEMS``.
-MEGATRON_CORE = "megatron.core"
+#: megatron-core, so that the zero-code activation can wait for the right import without
+#: importing any feature module (they import torch).
+SYSTEMS: dict[str, str] = {f.name: f.system for f in REGISTRY if f.system != MEGATRON_CORE}
 
 # Reentrant: applying a feature imports upstream modules, and such an import may fire the
 # zero-code activation's own install() in this thread.
@@ -95,10 +71,13 @@ _waiting: dict[str, list[str]] = {}  # system -> features applied when it is fir
 _not_applied: dict[str, str] = {}  # patch name -> why it waits or is not applied
 
 
-def feature_patches(feature: str) -> tuple[Patch, ...]:
-    """The patches a feature declares; each patch's name starts with the feature's name."""
-    patches = importlib.import_module(f"{__name__}.{feature}").PATCHES
-    strays = [p.name for p in patches if not p.name.startswith(f"{feature}.")]
+def feature_patches(feature: str) -> tuple[Declared, ...]:
+    """The patches and layers a feature declares; each one's name starts with the feature's
+    name, but for the shared patch of the save in progress (:mod:`.save_call`)."""
+    feature = canonical(feature)
+    patches = importlib.import_module(f"{__name__}.{BY_NAME[feature].module}").PATCHES
+    strays = [p.name for p in patches
+              if not p.name.startswith(f"{feature}.") and p is not save_call.PATCH]
     if strays:
         raise ValueError(f"feature {feature!r} declares patches named outside it: {strays}")
     return patches
@@ -106,21 +85,23 @@ def feature_patches(feature: str) -> tuple[Patch, ...]:
 
 def feature_system(feature: str) -> str:
     """The import name of the package ``feature`` patches (``"megatron.core"`` for most)."""
-    return SYSTEMS.get(feature, MEGATRON_CORE)
+    return SYSTEMS.get(canonical(feature) if feature in BY_NAME else feature, MEGATRON_CORE)
 
 
-def _check_known(features: Iterable[str]) -> None:
-    known = FEATURES + OPTIONAL_FEATURES
-    unknown = sorted(set(features) - set(known))
-    if unknown:
-        raise ValueError(f"unknown features {unknown}; known: {list(known)}")
-
-
-def _declared(features: Iterable[str]) -> list[Patch]:
+def _known(features: Iterable[str]) -> list[str]:
+    """``features`` by their names (an old name gives the feature's), each once; ValueError
+    naming the unknown ones."""
     chosen = list(features)
-    _check_known(chosen)
-    return [patch for name in FEATURES + OPTIONAL_FEATURES if name in chosen
-            for patch in feature_patches(name)]
+    unknown = sorted(set(chosen) - set(BY_NAME))
+    if unknown:
+        raise ValueError(f"unknown features {unknown}; known: {[f.name for f in REGISTRY]}")
+    return list(dict.fromkeys(canonical(f) for f in chosen))
+
+
+def _declared(features: Iterable[str]) -> list[Declared]:
+    chosen = _known(features)
+    return [patch for feature in REGISTRY if feature.name in chosen
+            for patch in feature_patches(feature.name)]
 
 
 def _installable(system: str) -> bool:
@@ -176,8 +157,7 @@ def install(features: Iterable[str] | None = None) -> list[str]:
     symbol fails that import), and is skipped where it is not installed.
     Returns the names of all installed patches.
     """
-    chosen = list(FEATURES if features is None else features)
-    _check_known(chosen)
+    chosen = _known(FEATURES if features is None else features)
     with _lock:
         now = [f for f in chosen if feature_system(f) == MEGATRON_CORE]
         if now:

@@ -13,10 +13,17 @@ behaviour (``not_needed``), never from a version number.
 Keeping the original object (taken from the owner's ``__dict__``, so staticmethods,
 classmethods and inherited attributes are restored exactly) is what makes ``uninstall()``
 exact.
+
+Every upstream attribute is replaced by exactly one :class:`Patch`. Where several features
+must wrap the same attribute, it is declared once as an :class:`EntryPoint` that names their
+:class:`Layer` s in the order they run; its one patch calls the enabled layers in that order,
+so the order is data that ``install()`` checks, not the order features happened to be
+installed in.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib
 import logging
 from collections.abc import Iterable, Sequence
@@ -74,6 +81,102 @@ class Patch:
     not_needed: Callable[[], str | None] | None = None
     optional: bool = False
     inherits_from: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class EntryPoint:
+    """An upstream attribute that more than one feature wraps, patched once.
+
+    Attributes:
+        name: the name of its one patch (``entry.<what>``).
+        target, attr, aliases, inherits_from: as for :class:`Patch`.
+        layers: the names of the :class:`Layer` s that may wrap it, outermost first; a layer
+            it does not name is a declaration error.
+        probes: checks of what every layer relies on (that upstream calls it, say), run
+            for each layer.
+    """
+
+    name: str
+    target: str
+    attr: str
+    layers: tuple[str, ...]
+    aliases: tuple[str, ...] = ()
+    inherits_from: tuple[str, ...] = ()
+    probes: tuple[Probe, ...] = ()
+
+
+@dataclass(frozen=True)
+class Layer:
+    """One feature's wrapper of an :class:`EntryPoint`: ``build(inner) -> wrapper``, where
+    ``inner`` is the next layer inward (or upstream's original). The other fields are those
+    of :class:`Patch`; what it replaces is its entry point's."""
+
+    name: str
+    entry: EntryPoint
+    build: Callable[[Any], Any]
+    why: str
+    reads: tuple[str, ...] = ()
+    probes: tuple[Probe, ...] = ()
+    not_needed: Callable[[], str | None] | None = None
+    optional: bool = False
+    adds = False
+
+    @property
+    def target(self) -> str:
+        return self.entry.target
+
+    @property
+    def attr(self) -> str:
+        return self.entry.attr
+
+    @property
+    def aliases(self) -> tuple[str, ...]:
+        return self.entry.aliases
+
+    @property
+    def inherits_from(self) -> tuple[str, ...]:
+        return self.entry.inherits_from
+
+
+#: What a feature declares: an attribute of its own, or a layer of a shared entry point.
+Declared = Patch | Layer
+
+
+class _Chain:
+    """The enabled layers of one entry point, composed over upstream's original."""
+
+    def __init__(self, entry: EntryPoint) -> None:
+        self.entry = entry
+        self.layers: dict[str, Layer] = {}
+        self.original: Any = None
+        self.call: Callable[..., Any] | None = None
+
+    def bind(self, original: Any) -> Any:
+        """The entry point's one replacement: calls the composed layers. Layers wrap plain
+        functions; a static method stays one."""
+        self.original = original
+        self.compose()
+
+        @functools.wraps(original)
+        def entry_point(*args: Any, **kwargs: Any) -> Any:
+            return self.call(*args, **kwargs)
+
+        raw = _raw(resolve(self.entry.target), self.entry.attr)
+        return staticmethod(entry_point) if isinstance(raw, staticmethod) else entry_point
+
+    def compose(self) -> None:
+        call = self.original
+        for name in reversed(self.entry.layers):
+            if name in self.layers:
+                call = self.layers[name].build(call)
+        self.call = call
+
+
+def check_order(layer: Layer) -> None:
+    """A layer must be named by its entry point's declared order."""
+    if layer.name not in layer.entry.layers:
+        raise ValueError(f"layer {layer.name!r} is not in the declared order of entry point "
+                         f"{layer.entry.name!r}: {list(layer.entry.layers)}")
 
 
 def resolve(target: str) -> Any:
@@ -146,7 +249,8 @@ def requirement_problems(patch: Patch) -> list[str]:
             problems.append(f"{alias}.{patch.attr} is no longer the object {where}: the patch "
                             "would miss the callers that use it")
     problems += [p for p in map(read_problem, patch.reads) if p]
-    for probe in patch.probes:
+    entry = getattr(patch, "entry", None)
+    for probe in (*(entry.probes if entry is not None else ()), *patch.probes):
         try:
             problems += probe()
         except Exception as exc:  # noqa: BLE001 - a probe that cannot run is a problem too
@@ -181,33 +285,47 @@ class _Applied:
 
 
 class PatchSet:
-    """Applies and restores patches: all-or-nothing, idempotent in both directions."""
+    """Applies and restores patches and layers: all-or-nothing, idempotent both ways."""
 
     def __init__(self) -> None:
         self._applied: dict[str, _Applied] = {}
+        self._layers: dict[str, Layer] = {}  # enabled, in the order they were applied
+        self._chains: dict[str, _Chain] = {}  # entry point name -> its enabled layers
         self._skipped: dict[str, str] = {}
 
     def names(self) -> list[str]:
-        return list(self._applied)
+        """What features declared and is applied (an entry point's own patch is not a
+        feature's: its layers are listed)."""
+        return [n for n in self._applied if n not in self._chains] + list(self._layers)
 
     def describe(self) -> dict[str, str]:
         """Applied patches with why they exist, then chosen patches that were not applied."""
-        return {**{name: a.patch.why for name, a in self._applied.items()},
+        applied = {name: a.patch.why for name, a in self._applied.items()
+                   if name not in self._chains}
+        return {**applied, **{name: layer.why for name, layer in self._layers.items()},
                 **{name: f"not applied: {reason}" for name, reason in self._skipped.items()}}
 
-    def install(self, patches: Sequence[Patch]) -> list[str]:
+    def patched(self) -> list[tuple[str, str]]:
+        """``(target, attr)`` of every applied patch, entry points' included: each upstream
+        attribute appears once."""
+        return [(a.patch.target, a.patch.attr) for a in self._applied.values()]
+
+    def install(self, patches: Sequence[Declared]) -> list[str]:
         """Check every requirement of ``patches``, then apply them all, or none.
 
         Raises :class:`UnsupportedVersionError` listing every missing requirement of every
         non-optional patch before anything is touched; if applying fails midway, what this
         call applied is restored before the error propagates. Returns the names applied now.
         """
-        plan: list[Patch] = []
+        plan: list[Declared] = []
         skipped: dict[str, str] = {}
         missing: list[str] = []
         for patch in patches:
-            if patch.name in self._applied or patch.name in skipped:
-                continue
+            if isinstance(patch, Layer):
+                check_order(patch)
+            if patch.name in self._applied or patch.name in self._layers \
+                    or patch.name in skipped or any(p.name == patch.name for p in plan):
+                continue  # two features may declare one shared patch
             problems: list[str] = []
             try:
                 reason = not_needed_reason(patch)
@@ -234,12 +352,44 @@ class PatchSet:
         try:
             for patch in plan:
                 done.append(patch.name)
-                self._apply(patch)
+                if isinstance(patch, Layer):
+                    self._enable(patch)
+                else:
+                    self._apply(patch)
         except BaseException:
             self._restore(reversed(done))
             raise
         self._skipped.update(skipped)
         return done
+
+    def _enable(self, layer: Layer) -> None:
+        """Add ``layer`` to its entry point, patching the entry point on its first layer."""
+        entry = layer.entry
+        chain = self._chains.get(entry.name)
+        if chain is None:
+            chain = _Chain(entry)
+            try:
+                self._apply(Patch(name=entry.name, target=entry.target, attr=entry.attr,
+                                  build=chain.bind, why=f"runs the layers of {entry.name}",
+                                  aliases=entry.aliases, inherits_from=entry.inherits_from))
+            except BaseException:
+                self._restore([entry.name])
+                raise
+            self._chains[entry.name] = chain
+        self._layers[layer.name] = layer
+        chain.layers[layer.name] = layer
+        chain.compose()
+
+    def _disable(self, layer: Layer) -> None:
+        """Take ``layer`` out of its entry point; the last one out restores the attribute."""
+        del self._layers[layer.name]
+        chain = self._chains[layer.entry.name]
+        del chain.layers[layer.name]
+        if chain.layers:
+            chain.compose()
+        else:
+            del self._chains[layer.entry.name]
+            self._restore([layer.entry.name])
 
     def _apply(self, patch: Patch) -> None:
         owner = resolve(patch.target)
@@ -257,6 +407,10 @@ class PatchSet:
 
     def _restore(self, names: Iterable[str]) -> None:
         for name in names:
+            layer = self._layers.get(name)
+            if layer is not None:
+                self._disable(layer)
+                continue
             applied = self._applied.pop(name, None)
             if applied is None:  # its build failed before anything was set
                 continue
@@ -268,6 +422,6 @@ class PatchSet:
             logger.debug("restored %s", name)
 
     def restore_all(self) -> None:
-        """Restore every original, newest patch first (patches may stack on one attribute)."""
-        self._restore(reversed(list(self._applied)))
+        """Restore every original, newest first."""
+        self._restore(reversed([*self._applied, *self._layers]))
         self._skipped.clear()

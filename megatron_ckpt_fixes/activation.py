@@ -47,13 +47,15 @@ from .errors import MegatronCkptFixesError
 logger = logging.getLogger(__name__)
 
 #: The environment switch: unset/empty/``0``/``off`` = off; ``1``/``on``/``default`` = the
-#: default features; otherwise a comma-separated list of features (``default`` may be one).
+#: default features; ``fixes`` = the default fixes without the speed-ups; otherwise a
+#: comma-separated list of features (``default`` and ``fixes`` may be ones).
 ENV = "MEGATRON_CKPT_FIXES"
 #: The module whose import installs the megatron-core features (and reports a bad value);
 #: a feature of another system (``megatron_ckpt_fixes.SYSTEMS``) waits for that system.
 TRIGGER = "megatron.core"
 
 _ON = frozenset({"1", "true", "yes", "on", "default"})
+_FIXES = "fixes"
 _OFF = frozenset({"", "0", "false", "no", "off"})
 
 
@@ -69,20 +71,20 @@ def parse_features(value: str | None) -> tuple[str, ...] | None:
     text = (value or "").strip().lower()
     if text in _OFF:
         return None
-    from . import FEATURES, OPTIONAL_FEATURES
+    from . import FEATURES, FIXES, OPTIONAL_FEATURES
+    from .features import BY_NAME
 
     features: list[str] = []
     for token in filter(None, (t.strip() for t in text.split(","))):
-        for name in FEATURES if token in _ON else (token,):
-            if name not in features:
-                features.append(name)
-    unknown = [f for f in features if f not in FEATURES + OPTIONAL_FEATURES]
+        group = FEATURES if token in _ON else FIXES if token == _FIXES else (token,)
+        features += [name for name in group if name not in features]
+    unknown = [f for f in features if f not in BY_NAME]
     if unknown or not features:
         what = f"unknown feature(s) {unknown}" if unknown else "no feature"
         raise ActivationError(
-            f"{ENV}={value!r} names {what}; use 1 (the default features) or a "
-            f"comma-separated list of {list(FEATURES + OPTIONAL_FEATURES)} (default: all of "
-            "FEATURES), or unset it")
+            f"{ENV}={value!r} names {what}; use 1 (the default features), {_FIXES} (the "
+            f"default fixes without the speed-ups) or a comma-separated list of "
+            f"{list(FEATURES + OPTIONAL_FEATURES)} (default: all of FEATURES), or unset it")
     return tuple(features)
 
 

@@ -107,9 +107,10 @@ PRELOAD_MEGATRON = ("megatron.core", "megatron.core.dist_checkpointing",
 def _feature_modules() -> list[str]:
     """The modules of this package's megatron-core features: imported, not installed (each
     rank installs what its test asks for): a few tenths of a second of CPU per rank."""
-    from . import FEATURES, MEGATRON_CORE, feature_system
+    from .features import MEGATRON_CORE, REGISTRY
 
-    return [f"{__package__}.{f}" for f in FEATURES if feature_system(f) == MEGATRON_CORE]
+    return [f"{__package__}.{f.module}" for f in REGISTRY
+            if f.default and f.system == MEGATRON_CORE]
 
 
 def _startup_environment() -> dict[str, str]:

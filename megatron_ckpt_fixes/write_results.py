@@ -29,6 +29,7 @@ import queue
 from typing import Any, Callable
 
 from ._patching import Patch
+from .rehearsal import results_read_by_the_writer, writer_save_call
 
 logger = logging.getLogger(__name__)
 
@@ -84,18 +85,16 @@ def in_process_results(original: Callable[..., None]) -> Callable[..., None]:
 
 
 def _writer_problems() -> list[str]:
-    import inspect
-
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
-        FileSystemWriterAsync)
-
+    """The writer hands its ``results_queue`` to the save function and reads its reports
+    from that attribute (watched on a small save), so a wrapper put there sees both."""
+    results: queue.Queue = queue.Queue()
     problems = []
-    for name, what in (("prepare_write_data", "sets"), ("get_save_function_and_args", "hands"),
-                       ("retrieve_write_results", "reads")):
-        code = inspect.unwrap(getattr(FileSystemWriterAsync, name)).__code__
-        if "results_queue" not in code.co_names:
-            problems.append(f"FileSystemWriterAsync.{name} no longer {what} the save's "
-                            "results_queue")
+    if not any(arg is results for arg in writer_save_call(results)[2]):
+        problems.append("FileSystemWriterAsync.get_save_function_and_args no longer hands the "
+                        "writer's results_queue to the save function")
+    if not results_read_by_the_writer():
+        problems.append("FileSystemWriterAsync.retrieve_write_results no longer reads the "
+                        "writer's results_queue")
     return problems
 
 

@@ -27,7 +27,8 @@ import io
 import logging
 from typing import Any, Callable
 
-from ._patching import Patch
+from ._patching import Declared, Layer
+from .entry_points import WRITE_ITEM
 
 logger = logging.getLogger(__name__)
 
@@ -104,25 +105,19 @@ def writing_back_write_item(original: Callable[..., Any]) -> Callable[..., Any]:
 def _write_item_problems() -> list[str]:
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 
-    problems = []
-    if "stream" not in inspect.signature(filesystem_async._write_item).parameters:
-        problems.append("torch's _write_item has no parameter 'stream'")
-    writer = inspect.unwrap(filesystem_async.FileSystemWriterAsync.write_preloaded_data)
-    if "_write_item" not in writer.__code__.co_names:
-        problems.append("FileSystemWriterAsync.write_preloaded_data no longer calls the "
-                        "module's _write_item: nothing would be handed to the disk early")
-    return problems
+    if "stream" in inspect.signature(filesystem_async._write_item).parameters:
+        return []
+    return ["torch's _write_item has no parameter 'stream'"]
 
 
 def _platform_problems() -> list[str]:
     return [] if _sync_file_range() is not None else ["this platform has no sync_file_range"]
 
 
-PATCHES: tuple[Patch, ...] = (
-    Patch(
+PATCHES: tuple[Declared, ...] = (
+    Layer(
         name="writeback.write_item",
-        target=_FILESYSTEM_ASYNC,
-        attr="_write_item",
+        entry=WRITE_ITEM,
         build=writing_back_write_item,
         reads=(f"{_WRITER}.write_preloaded_data",),
         probes=(_write_item_problems, _platform_problems),

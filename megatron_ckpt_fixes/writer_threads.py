@@ -34,8 +34,9 @@ import queue
 import threading
 from typing import Any, Callable
 
-from ._patching import Patch
+from ._patching import Declared, Layer
 from .agreement import describe_error
+from .entry_points import WRITE_BUCKETS
 from .writer_failures.processes import writes_with_threads
 
 logger = logging.getLogger(__name__)
@@ -78,7 +79,7 @@ def _report(write_buckets: list, outcomes: list) -> Any:
     return first if isinstance(first, Exception) else RuntimeError(describe_error(first))
 
 
-def threaded_bucket_writers(original: Callable[..., None]) -> staticmethod:
+def threaded_bucket_writers(original: Callable[..., None]) -> Callable[..., None]:
     """Replace ``FileSystemWriterAsync.write_preloaded_data_multiproc`` (see the module)."""
     from megatron.core.dist_checkpointing.strategies.async_utils import _disable_gc
 
@@ -111,7 +112,7 @@ def threaded_bucket_writers(original: Callable[..., None]) -> staticmethod:
                      len(write_buckets))
         global_results_queue.put(_report(write_buckets, outcomes))
 
-    return staticmethod(write_preloaded_data_multiproc)
+    return write_preloaded_data_multiproc
 
 
 def _writer_problems() -> list[str]:
@@ -133,11 +134,10 @@ def _writer_problems() -> list[str]:
     return problems
 
 
-PATCHES: tuple[Patch, ...] = (
-    Patch(
+PATCHES: tuple[Declared, ...] = (
+    Layer(
         name="writer_threads.buckets",
-        target=_WRITER,
-        attr="write_preloaded_data_multiproc",
+        entry=WRITE_BUCKETS,
         build=threaded_bucket_writers,
         reads=(_DISABLE_GC, f"{_WRITER}.write_preloaded_data"),
         not_needed=writes_with_threads,

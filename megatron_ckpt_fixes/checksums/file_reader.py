@@ -27,6 +27,8 @@ import os
 from typing import Any, Callable
 
 from .._patching import Patch
+from ..importers import bound_imports, name_aliases, renamed_imports
+from ..rehearsal import metadata_reads
 from .file_writer import LOAD_BY_CLASS, LOAD_BY_FUNCTION
 from .files import COMMON, CONFIG, METADATA, belongs, check_file
 from .reader import record_of_reader
@@ -123,26 +125,24 @@ def checked_load_config(original: Callable[..., Any]) -> Callable[..., Any]:
 
 
 def _metadata_path_problems() -> list[str]:
-    from torch.distributed.checkpoint.filesystem import FileSystemReader
+    """torch's reader must read ``.metadata`` from the path ``_get_metadata_path`` gives,
+    through its ``fs`` (watched while it reads a checkpoint's metadata): the patch serves the
+    bytes it checked from there."""
+    path, reads = metadata_reads()
+    if (path, "rb") in reads:
+        return []
+    return ["FileSystemReader.read_metadata did not read _get_metadata_path() through its fs: "
+            ".metadata would be unpickled unchecked"]
 
-    names = FileSystemReader.read_metadata.__code__.co_names
-    return [f"FileSystemReader.read_metadata no longer calls {name}: .metadata would be "
-            "unpickled unchecked" for name in ("_get_metadata_path", "create_stream")
-            if name not in names]
+
+#: The modules that bind ``core.maybe_load_config`` at import time (0.16's ``validation``;
+#: read from the source): the patch replaces it there too.
+_CONFIG_IMPORTS = bound_imports("megatron.core.dist_checkpointing", _CORE,
+                                ("maybe_load_config",))["maybe_load_config"]
 
 
-def _validation_without_config() -> str | None:
-    """Not needed where no function of ``validation`` calls ``maybe_load_config`` by its own
-    name (0.19+ reads the config through ``core``)."""
-    import inspect
-
-    from megatron.core.dist_checkpointing import validation
-
-    if any("maybe_load_config" in f.__code__.co_names
-           for f in vars(validation).values()
-           if inspect.isfunction(f) and f.__module__ == validation.__name__):
-        return None
-    return "validation does not call maybe_load_config by name here: core's patch covers it"
+def _config_import_problems() -> list[str]:
+    return renamed_imports(_CONFIG_IMPORTS, _CORE, "maybe_load_config")
 
 
 PATCHES: tuple[Patch, ...] = (
@@ -179,15 +179,8 @@ PATCHES: tuple[Patch, ...] = (
         target=_CORE,
         attr="maybe_load_config",
         build=checked_load_config,
+        aliases=name_aliases(_CONFIG_IMPORTS, "maybe_load_config"),
+        probes=(_config_import_problems,),
         why="metadata.json is checked against its recorded checksum before it is parsed",
-    ),
-    Patch(
-        name="checksums.load_config_validation",
-        target="megatron.core.dist_checkpointing.validation",
-        attr="maybe_load_config",
-        build=checked_load_config,
-        not_needed=_validation_without_config,
-        why="metadata.json, read by megatron-core 0.16's validation, is checked before it "
-            "is parsed",
     ),
 )

@@ -56,11 +56,12 @@ from typing import Any, Callable
 import torch
 from torch.distributed.checkpoint.storage import WriteResult
 
-from .._patching import Patch
+from .._patching import Declared, Layer, Patch
 from ..activation import switched_on
+from ..entry_points import WRITE_ITEM, WRITER_FINISH
+from ..rehearsal import calls_during, torch_save_of_a_tensor
 from .algorithms import DEFAULT
 from .file_writer import files_at_finish
-from .frames import replay_allowed, replaying_save
 from .hashing import ItemTap, checksum_of
 from .record import ChecksumRecord, remove_record, write_record
 
@@ -113,19 +114,24 @@ def _write_all(stream: Any, view: memoryview) -> None:
 _record = threading.local()
 
 
+def in_checksummed_record() -> bool:
+    """Whether this thread is serializing a record whose checksum the writer records (torch's
+    CRC-32 is off there)."""
+    return getattr(_record, "checksummed", False)
+
+
 @contextmanager
 def _without_torch_crc32(transforms: Any) -> Iterator[None]:
-    """torch's CRC-32 off for the records this thread serializes in the block (and their
-    framing replayed, :mod:`.frames`), unless a stream transform (compression, ...) puts the
-    bytes somewhere the checksum cannot vouch for."""
+    """torch's CRC-32 off for the records this thread serializes in the block, unless a
+    stream transform (compression, ...) puts the bytes somewhere the checksum cannot vouch
+    for."""
     if getattr(transforms, "extensions", ()):
         yield
         return
-    outer = getattr(_record, "checksummed", False)
+    outer = in_checksummed_record()
     _record.checksummed = True
     try:
-        with replay_allowed():
-            yield
+        yield
     finally:
         _record.checksummed = outer
 
@@ -136,7 +142,7 @@ def crc32_unless_checksummed(original: Callable[[], bool]) -> Callable[[], bool]
 
     @functools.wraps(original)
     def get_crc32_options() -> bool:
-        return False if getattr(_record, "checksummed", False) else original()
+        return False if in_checksummed_record() else original()
 
     return get_crc32_options
 
@@ -240,17 +246,14 @@ def recording_finish(original: Callable[..., None]) -> Callable[..., None]:
 # -- what the patches rely on ------------------------------------------------------------------
 
 def _crc32_problems() -> list[str]:
-    """torch must ask ``get_crc32_options`` by name whenever it opens a record for writing."""
+    """torch must ask ``torch.serialization.get_crc32_options`` when it opens a record for
+    writing (watched while it saves a tensor)."""
     import torch.serialization as serialization
 
-    writers = [getattr(serialization, name, None) for name in
-               ("_open_zipfile_writer_file", "_open_zipfile_writer_buffer")]
-    if any(w is None for w in writers):
-        return ["torch.serialization has no _open_zipfile_writer_file/_buffer: where torch "
-                "decides on its CRC-32 is unknown"]
-    return [f"torch.serialization.{w.__name__} no longer asks get_crc32_options: the writer's "
-            "records would keep torch's CRC-32" for w in writers
-            if "get_crc32_options" not in w.__init__.__code__.co_names]
+    if calls_during(serialization, "get_crc32_options", torch_save_of_a_tensor):
+        return []
+    return ["torch.save did not ask torch.serialization.get_crc32_options: the writer's "
+            "records would keep torch's CRC-32"]
 
 
 def _write_item_problems() -> list[str]:
@@ -260,10 +263,6 @@ def _write_item_problems() -> list[str]:
     params = inspect.signature(filesystem_async._write_item).parameters
     problems += [f"torch's _write_item has no parameter {name!r}"
                  for name in ("stream", "data") if name not in params]
-    writer = inspect.unwrap(filesystem_async.FileSystemWriterAsync.write_preloaded_data)
-    if "_write_item" not in writer.__code__.co_names:
-        problems.append("FileSystemWriterAsync.write_preloaded_data no longer calls the "
-                        "module's _write_item: checksums would never be taken")
     fields = {f.name for f in dataclasses.fields(WriteResult)}
     problems += [f"WriteResult has no field {name!r}"
                  for name in ("index", "size_in_bytes", "storage_data") if name not in fields]
@@ -290,11 +289,10 @@ def _writer_problems() -> list[str]:
     return problems
 
 
-PATCHES: tuple[Patch, ...] = (
-    Patch(
+PATCHES: tuple[Declared, ...] = (
+    Layer(
         name="checksums.write_item",
-        target=_FILESYSTEM_ASYNC,
-        attr="_write_item",
+        entry=WRITE_ITEM,
         build=checksummed_write_item,
         reads=("torch.distributed.checkpoint.storage:WriteResult",
                f"{_WRITER}.write_preloaded_data"),
@@ -312,21 +310,9 @@ PATCHES: tuple[Patch, ...] = (
         why="the records the writer checksums skip torch's unchecked CRC-32 (this thread "
             "only; every other torch.save keeps the user's setting)",
     ),
-    Patch(
-        name="checksums.torch_save_frames",
-        target="torch",
-        attr="save",
-        build=replaying_save,
-        not_needed=crc32_kept,
-        optional=True,  # a speed-up: where it cannot be applied, torch.save is torch's
-        why="inside the records the writer checksums, torch.save's framing of a tensor is "
-            "replayed from an earlier save of the same layout (this thread only; the same "
-            "bytes)",
-    ),
-    Patch(
+    Layer(
         name="checksums.finish",
-        target=_WRITER,
-        attr="finish",
+        entry=WRITER_FINISH,
         build=recording_finish,
         reads=("torch.distributed.checkpoint.filesystem:_FileSystemWriter.storage_meta",),
         probes=(_writer_problems,),

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import queue
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -52,6 +53,7 @@ from typing import Any
 import torch
 
 from .._patching import Patch
+from ..rehearsal import writer_save_call
 from .arena import with_exact_storages
 from .overlap import PendingCopy
 from .staging import POOL, Copies, SnapshotStats, StagingPool
@@ -228,18 +230,22 @@ def upstream_snapshots() -> str | None:
 
 
 def _request_problems() -> list[str]:
+    """A request megatron-core's writer makes is recognised (one is made for a small tensor),
+    and the calls queue says whether its worker is persistent."""
     from megatron.core.dist_checkpointing.strategies.async_utils import (
         AsyncCallsQueue, AsyncRequest)
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
-        FileSystemWriterAsync)
 
     problems = [f"AsyncRequest has no field {name!r}"
                 for name in ("async_fn", "async_fn_args", "finalize_fns", "preload_fn")
                 if name not in AsyncRequest._fields]
-    if "preload_tensors" not in FileSystemWriterAsync.get_save_function_and_args.__code__.co_names:
-        problems.append("FileSystemWriterAsync.get_save_function_and_args no longer stages "
-                        "with preload_tensors: its requests would not be recognised")
-    if "persistent" not in AsyncCallsQueue.__init__.__code__.co_names:
+    if problems:
+        return problems
+    save, preload, args = writer_save_call(queue.Queue())
+    if mcore_layout(AsyncRequest(save, args, [], preload_fn=preload)) is None:
+        problems.append("a request of FileSystemWriterAsync.get_save_function_and_args no "
+                        "longer stages its buckets with preload_tensors: its requests would "
+                        "not be recognised")
+    if [AsyncCallsQueue(persistent=p).persistent for p in (False, True)] != [False, True]:
         problems.append("AsyncCallsQueue no longer records whether its worker is persistent")
     return problems
 

@@ -34,15 +34,15 @@ a stale plan waiting to happen).
 
 from __future__ import annotations
 
-import contextvars
 import functools
-import inspect
 import logging
 import os
 from dataclasses import dataclass
 from typing import Any, Callable
 
+from .. import save_call
 from .._patching import Patch, read_problem
+from ..save_call import SaveCall
 from ..agreement import agree
 from .guard import StructureGuard
 
@@ -138,22 +138,6 @@ _PG_CACHE_READS = (f"{_DC}.exchange_utils:_PG_DIST_CACHE",
                    "megatron.core.utils:get_pg_size")
 
 
-@dataclass
-class SaveScope:
-    """One checkpoint save, from ``dist_checkpointing.save`` (or the outermost guarded
-    strategy call) down to the nested strategies it calls."""
-
-    #: Whether megatron-core's sharding validation ran (or runs) on this save's state dict.
-    validated: bool
-    #: A guarded strategy already checked the structure in this save: a nested strategy (the
-    #: fully-parallel wrapper's base) logs the same change at debug level only.
-    checked: bool = False
-
-
-_SCOPE: contextvars.ContextVar[SaveScope | None] = contextvars.ContextVar("mcf_save_scope",
-                                                                          default=None)
-
-
 def drop_caches(strategy: Any, caches: dict[str, Any]) -> None:
     """Reset the cache attributes ``strategy`` has (checked at install, see the probes)."""
     for attr, empty in caches.items():
@@ -180,14 +164,14 @@ def forget_reader_metadata(checkpoint_dir: Any) -> None:
         cache.pop(os.path.abspath(os.fspath(checkpoint_dir)), None)
 
 
-def validate_changed_structure(sharded_state_dict: Any, scope: SaveScope, what: str) -> None:
+def validate_changed_structure(sharded_state_dict: Any, call: SaveCall, what: str) -> None:
     """Collective: on a save that replans, run megatron-core's sharding validation unless it
     already ran in this save (agreed, so that every rank or none enters the validation)."""
     from megatron.core.dist_checkpointing import validation
 
-    if not agree(not scope.validated, None, f"whether to validate the sharding ({what})"):
+    if not agree(not call.validated, None, f"whether to validate the sharding ({what})"):
         return
-    scope.validated = True
+    call.validated = True
     # Looked up at call time: the collective validation of .integrity when installed.
     validation.validate_sharding_integrity(
         validation.determine_global_metadata(sharded_state_dict)[1])
@@ -208,52 +192,24 @@ def guarded_save(original: Callable[..., Any], layers: CacheLayers) -> Callable[
             return original(self, sharded_state_dict, checkpoint_dir, *args, **kwargs)
         guard = guard_of(self)
         what = f"structure check of {type(self).__name__} before saving {checkpoint_dir}"
-        outer = _SCOPE.get()
         # Called without dist_checkpointing.save: nothing validated this save yet.
-        scope = outer if outer is not None else SaveScope(validated=False)
-        level = logging.DEBUG if scope.checked else logging.WARNING
-        scope.checked = True
+        call = save_call.current() or SaveCall(checkpoint_dir, validated=False)
+        level = logging.DEBUG if call.structure_checked else logging.WARNING
+        call.structure_checked = True
         self.__dict__[_ACTIVE_ATTR] = True
-        token = _SCOPE.set(scope)
         try:
-            if guard.should_replan(sharded_state_dict, what, log_level=level):
-                layers.reset(self, sharded_state_dict)
-                validate_changed_structure(sharded_state_dict, scope, str(checkpoint_dir))
-            return original(self, sharded_state_dict, checkpoint_dir, *args, **kwargs)
+            with save_call.making(call):
+                if guard.should_replan(sharded_state_dict, what, log_level=level):
+                    layers.reset(self, sharded_state_dict)
+                    validate_changed_structure(sharded_state_dict, call, str(checkpoint_dir))
+                return original(self, sharded_state_dict, checkpoint_dir, *args, **kwargs)
         except BaseException:
             guard.save_failed()
             raise
         finally:
-            _SCOPE.reset(token)
             self.__dict__[_ACTIVE_ATTR] = False
 
     return save
-
-
-def scoped_save(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap ``dist_checkpointing.save``: open the save's scope, recording whether the caller
-    asked megatron-core to validate the sharding (it does so before calling the strategy)."""
-    signature = inspect.signature(original)
-
-    @functools.wraps(original)
-    def save(*args: Any, **kwargs: Any) -> Any:
-        bound = signature.bind(*args, **kwargs)
-        bound.apply_defaults()
-        token = _SCOPE.set(SaveScope(validated=bool(bound.arguments["validate_access_integrity"])))
-        try:
-            return original(*args, **kwargs)
-        finally:
-            _SCOPE.reset(token)
-
-    return save
-
-
-def _save_signature_problems() -> list[str]:
-    from megatron.core.dist_checkpointing import serialization
-
-    if "validate_access_integrity" in inspect.signature(serialization.save).parameters:
-        return []
-    return [f"{_DC}.serialization.save has no parameter 'validate_access_integrity'"]
 
 
 def cache_attribute_problems(fresh: Any, layers: CacheLayers) -> list[str]:
@@ -307,18 +263,7 @@ def _guarded_entry_points(prefix: str, target: str, layers: CacheLayers,
     )
 
 
-PATCHES: tuple[Patch, ...] = (
-    Patch(
-        name="structure.cached_save.scope",
-        target=f"{_DC}.serialization",
-        attr="save",
-        build=scoped_save,
-        aliases=(_DC,),
-        probes=(_save_signature_problems,),
-        why="a save records whether its caller validated the sharding, so a save that replans "
-            "validates it when the caller skipped it (Megatron-LM does under the flag)",
-    ),
-) + _guarded_entry_points(
+PATCHES: tuple[Patch, ...] = (save_call.PATCH,) + _guarded_entry_points(
     "structure.cached_save.plan",
     f"{_STRATEGIES}.torch:TorchDistSaveShardedStrategy",
     PLAN_CACHES,

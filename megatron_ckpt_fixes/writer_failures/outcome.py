@@ -24,6 +24,7 @@ written and fsynced, and whose ``.metadata`` was written.
 from __future__ import annotations
 
 import functools
+import inspect
 import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -32,8 +33,10 @@ from typing import Any, Callable
 import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
-from .._patching import Patch
+from .._patching import Declared, Layer, Patch
+from ..rehearsal import replaced
 from ..agreement import agree, describe_error, describe_failures
+from ..entry_points import WRITER_FINISH
 from ..errors import MegatronCkptFixesError
 from .processes import writer_death_note
 
@@ -143,16 +146,41 @@ def agreed_finalize(original: Callable[..., None]) -> Callable[..., None]:
     return save_state_dict_async_finalize
 
 
-def _finalize_problems() -> list[str]:
-    import inspect
+class _Coordinator:
+    """Stands for the writer and the process group of a one-rank save whose writes
+    succeeded, recording whether the finalize asked it to write ``.metadata``."""
 
+    is_coordinator = True
+    use_dist = False
+    finished = False
+
+    def retrieve_write_results(self) -> list:
+        return []
+
+    def gather_object(self, results: Any) -> list:
+        return [results]
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        self.finished = True
+
+
+def _finalize_problems() -> list[str]:
+    """The coordinator's ``.metadata`` write happens inside the finalize (watched on a save
+    whose writes succeeded), where the patched finalize holds its failure."""
+    import torch.distributed as dist
     from megatron.core.dist_checkpointing.strategies import state_dict_saver
 
-    code = inspect.unwrap(state_dict_saver.save_state_dict_async_finalize).__code__
-    return [f"save_state_dict_async_finalize no longer calls {name}: {why}"
-            for name, why in (("finish", "the coordinator's metadata write would not be held"),
-                              ("broadcast", "the failure flag is no longer broadcast"))
-            if name not in code.co_names]
+    coordinator = _Coordinator()
+    finalize = inspect.unwrap(state_dict_saver.save_state_dict_async_finalize)
+    with replaced(dist, "get_rank", lambda *args, **kwargs: 0):
+        try:
+            finalize(coordinator, object(), coordinator)
+        except Exception:  # noqa: BLE001 - what follows the write (the broadcast) needs a group
+            pass
+    if coordinator.finished:
+        return []
+    return ["save_state_dict_async_finalize did not call the writer's finish on the "
+            "coordinator: its metadata write would not be held"]
 
 
 def _holders_by_name(module: str, name: str) -> tuple[str, ...]:
@@ -169,7 +197,7 @@ def _holders_by_name(module: str, name: str) -> tuple[str, ...]:
                         and vars(mod).get(name) is original))
 
 
-PATCHES: tuple[Patch, ...] = (
+PATCHES: tuple[Declared, ...] = (
     Patch(
         name="writer_failures.outcome.finalize",
         target=_SAVER,
@@ -180,10 +208,9 @@ PATCHES: tuple[Patch, ...] = (
         why="a failed save raises the same error on every rank, naming every failing rank and "
             "its cause (upstream: the causes on the coordinator only)",
     ),
-    Patch(
+    Layer(
         name="writer_failures.outcome.finish",
-        target=_WRITER,
-        attr="finish",
+        entry=WRITER_FINISH,
         build=held_finish,
         probes=(_finalize_problems,),
         why="the coordinator's metadata write failing (ENOSPC, EIO) fails the save on every "

@@ -40,7 +40,9 @@ import signal
 import threading
 from typing import Any, Callable
 
-from .._patching import Patch
+from .._patching import Declared, Layer, Patch
+from ..rehearsal import replaced
+from ..entry_points import WRITE_BUCKETS
 from ..errors import MegatronCkptFixesError
 
 logger = logging.getLogger(__name__)
@@ -193,7 +195,7 @@ class WatchfulMultiprocessing:
         return getattr(self._real, name)
 
 
-def failing_on_dead_writers(original: Callable[..., None]) -> staticmethod:
+def failing_on_dead_writers(original: Callable[..., None]) -> Callable[..., None]:
     """Wrap ``write_preloaded_data_multiproc``: a dead writer becomes the call's reported
     failure (on its results queue, where upstream reports a writer's error)."""
     signature = inspect.signature(original)
@@ -210,7 +212,7 @@ def failing_on_dead_writers(original: Callable[..., None]) -> staticmethod:
             results.put(RuntimeError(str(exc)))
             return None
 
-    return staticmethod(write_preloaded_data_multiproc)
+    return write_preloaded_data_multiproc
 
 
 def writer_death_note() -> str | None:
@@ -247,24 +249,44 @@ def writes_with_threads() -> str | None:
     return None
 
 
+class _Seen:
+    """Passes attribute access to ``real``, recording ``<name>.<attribute>``; what the
+    contexts and queues it hands out do is recorded too."""
+
+    def __init__(self, real: Any, name: str, seen: set[str]) -> None:
+        self._real, self._name, self._seen = real, name, seen
+
+    def __getattr__(self, attr: str) -> Any:
+        value = getattr(self._real, attr)
+        self._seen.add(f"{self._name}.{attr}")
+        if attr in ("get_context", "JoinableQueue"):
+            return lambda *args, **kwargs: _Seen(value(*args, **kwargs), attr, self._seen)
+        return value
+
+
 def _multiproc_problems() -> list[str]:
-    from megatron.core.dist_checkpointing.strategies.filesystem_async import (
-        FileSystemWriterAsync)
+    """The forked writers come from the module's ``mp`` and are awaited on one of its
+    joinable queues (watched on a save with nothing to write, which forks nothing)."""
+    import queue
 
-    code = inspect.unwrap(FileSystemWriterAsync.write_preloaded_data_multiproc).__code__
-    wanted = {"get_context": "its writers would not be watched",
-              "JoinableQueue": "its wait for the writers would not be watched",
-              "join": "its wait for the writers would not be watched"}
-    problems = [f"FileSystemWriterAsync.write_preloaded_data_multiproc no longer calls "
-                f"{name}: {why}" for name, why in wanted.items() if name not in code.co_names]
-    if "global_results_queue" not in inspect.signature(
-            FileSystemWriterAsync.write_preloaded_data_multiproc).parameters:
-        problems.append("FileSystemWriterAsync.write_preloaded_data_multiproc has no "
-                        "parameter 'global_results_queue': a dead writer could not be reported")
-    return problems
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    multiproc = inspect.unwrap(filesystem_async.FileSystemWriterAsync
+                               .write_preloaded_data_multiproc)
+    if "global_results_queue" not in inspect.signature(multiproc).parameters:
+        return ["FileSystemWriterAsync.write_preloaded_data_multiproc has no parameter "
+                "'global_results_queue': a dead writer could not be reported"]
+    seen: set[str] = set()
+    with replaced(filesystem_async, "mp", _Seen(filesystem_async.mp, "mp", seen)):
+        multiproc([], False, 0, [], queue.Queue())
+    wanted = {"mp.get_context": "its writers would not be watched",
+              "get_context.JoinableQueue": "its wait for the writers would not be watched",
+              "JoinableQueue.join": "its wait for the writers would not be watched"}
+    return [f"FileSystemWriterAsync.write_preloaded_data_multiproc did not use {name}: {why}"
+            for name, why in wanted.items() if name not in seen]
 
 
-PATCHES: tuple[Patch, ...] = (
+PATCHES: tuple[Declared, ...] = (
     Patch(
         name="writer_failures.processes.mp",
         target=_FILESYSTEM_ASYNC,
@@ -274,10 +296,9 @@ PATCHES: tuple[Patch, ...] = (
         probes=(_multiproc_problems,),
         why="the forked checkpoint writers are watched while the save waits for them",
     ),
-    Patch(
+    Layer(
         name="writer_failures.processes.multiproc",
-        target=_WRITER,
-        attr="write_preloaded_data_multiproc",
+        entry=WRITE_BUCKETS,
         build=failing_on_dead_writers,
         not_needed=writes_with_threads,
         probes=(_multiproc_problems,),

@@ -43,6 +43,7 @@ from contextlib import contextmanager
 from typing import Any, Callable
 
 from .._patching import Patch
+from ..rehearsal import calls_during, save_tiny_checkpoint
 from ..agreement import describe_error
 from ..errors import MegatronCkptFixesError
 
@@ -295,14 +296,13 @@ def _collection_problems() -> list[str]:
 
 def _dcp_problems() -> list[str]:
     from torch.distributed.checkpoint import filesystem
-    from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     problems = []
     if "result_queue" not in inspect.signature(filesystem._write_files_from_queue).parameters:
         problems.append("torch's _write_files_from_queue has no parameter 'result_queue'")
-    if "_write_files_from_queue" not in inspect.unwrap(
-            FileSystemWriter._write_data).__code__.co_names:
-        problems.append("FileSystemWriter._write_data no longer runs _write_files_from_queue")
+    elif not calls_during(filesystem, "_write_files_from_queue", save_tiny_checkpoint):
+        problems.append("torch's FileSystemWriter did not write through _write_files_from_queue "
+                        "when it saved a checkpoint")
     return problems
 
 

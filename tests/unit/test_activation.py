@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+import megatron_ckpt_fixes
 from megatron_ckpt_fixes import FEATURES
 from megatron_ckpt_fixes.activation import (
     ENV,
@@ -94,7 +95,7 @@ def test_set_installs_the_named_features_once_megatron_core_is_imported():
     assert done.returncode == 0, done.stderr[-3000:]
     state = json.loads(done.stdout.splitlines()[-1])
     assert state["child"] == 0  # it activated too, and said nothing (one line below)
-    assert {name.split(".")[0] for name in state["installed"]} == {"structure",
+    assert {name.split(".")[0] for name in state["installed"]} == {"save_call", "structure",
                                                                    "writer_failures"}
     assert state["hooks"] == [] and state["loader"] == "SourceFileLoader"  # nothing left behind
     count = sum(not why.startswith("not applied") for why in state["described"].values())
@@ -121,7 +122,21 @@ def test_an_explicit_install_beside_the_switch_does_not_deadlock():
         env={**os.environ, ENV: "structure"}, capture_output=True, text=True, timeout=120,
         cwd="/")
     assert done.returncode == 0, done.stderr[-3000:]
-    assert done.stdout.splitlines()[-1] == "['checksums', 'structure']"  # both, once each
+    # both, once each (and the save in progress, which structure reads)
+    assert done.stdout.splitlines()[-1] == "['checksums', 'save_call', 'structure']"
+
+
+def test_old_names_and_the_fixes_alone_are_values_of_the_switch(monkeypatch):
+    """``fixes`` is the default features without the speed-ups; a renamed feature's old name
+    still selects it (here a name registered as an alias for the test)."""
+    from megatron_ckpt_fixes import FEATURES, FIXES, SPEEDUPS
+    from megatron_ckpt_fixes.features import BY_NAME
+
+    assert parse_features("fixes") == FIXES and not set(FIXES) & set(SPEEDUPS)
+    assert set(FEATURES) - set(FIXES) == {"writer_threads", "write_results", "writeback"}
+    monkeypatch.setitem(BY_NAME, "old_structure_name", BY_NAME["structure"])
+    assert parse_features("old_structure_name") == ("old_structure_name",)
+    assert megatron_ckpt_fixes._known(["old_structure_name", "structure"]) == ["structure"]
 
 
 def test_a_bad_value_fails_at_the_megatron_core_import_in_one_line():
@@ -130,7 +145,8 @@ def test_a_bad_value_fails_at_the_megatron_core_import_in_one_line():
     assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr
     assert done.stderr.splitlines()[-1].startswith(
         f"megatron_ckpt_fixes: error: {ENV}='structure,no-such-feature' names unknown "
-        "feature(s) ['no-such-feature']; use 1 (the default features) or a comma-separated list")
+        "feature(s) ['no-such-feature']; use 1 (the default features), fixes (the default "
+        "fixes without the speed-ups) or a comma-separated list")
     assert done.stderr.endswith("or unset it\n")
 
 
@@ -189,7 +205,7 @@ def test_arm_after_megatron_core_is_imported_installs_at_once(clean_install):
 
     arm("structure")
     assert set(clean_install.installed()) and all(
-        name.startswith("structure.") for name in clean_install.installed())
+        name.startswith(("structure.", "save_call.")) for name in clean_install.installed())
 
 
 def test_run_refuses_a_bad_feature_list_before_running_anything(capsys):

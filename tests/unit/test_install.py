@@ -11,8 +11,9 @@ import torch
 from packaging.version import Version
 
 import megatron_ckpt_fixes
-from megatron_ckpt_fixes import FEATURES, OPTIONAL_FEATURES, UnsupportedVersionError
-from megatron_ckpt_fixes._patching import _MISSING, Patch, PatchSet, _raw, definer, resolve
+from megatron_ckpt_fixes import FEATURES, OPTIONAL_FEATURES, UnsupportedVersionError, save_call
+from megatron_ckpt_fixes._patching import (_MISSING, EntryPoint, Layer, Patch, PatchSet, _raw,
+                                           definer, resolve)
 from megatron_ckpt_fixes.compat import versions
 from megatron_ckpt_fixes.structure import cached_save
 
@@ -65,7 +66,8 @@ def test_feature_names_are_module_paths_and_name_their_patches(clean_install):
     for feature in ALL_FEATURES:
         module = sys.modules.get(f"megatron_ckpt_fixes.{feature}") or __import__(
             f"megatron_ckpt_fixes.{feature}", fromlist=["PATCHES"])
-        assert module.PATCHES and all(p.name.startswith(feature + ".") for p in module.PATCHES)
+        assert module.PATCHES and all(p.name.startswith(feature + ".")
+                                      for p in module.PATCHES if p is not save_call.PATCH)
     names = clean_install.install(["compat.cpu"])
     assert names and all(n.startswith("compat.cpu.") for n in names)
     with pytest.raises(ValueError, match="unknown features"):
@@ -241,6 +243,57 @@ def test_restore_of_inherited_attribute_deletes_override():
         assert _raw(Child, "f") is _MISSING and Child().f() == "base"
     finally:
         del sys.modules["mcf_test_mod"]
+
+
+def test_each_upstream_attribute_is_patched_by_one_patch(clean_install):
+    """Features that wrap the same attribute do so as layers of one entry point: one patch
+    per attribute, one wrapper over upstream's original (no wrapper of a wrapper)."""
+    shared = [p for p in _declared() if isinstance(p, Layer)]
+    entries = {p.entry for p in shared}
+    upstream = {e: getattr(resolve(e.target), e.attr, None) for e in entries}
+    clean_install.install(ALL_FEATURES)
+    patched = megatron_ckpt_fixes._patches.patched()
+    assert len(patched) == len(set(patched)), sorted(p for p in patched if patched.count(p) > 1)
+    for entry, original in upstream.items():
+        if original is not None:  # one wrapper, directly over upstream's
+            assert getattr(resolve(entry.target), entry.attr).__wrapped__ is original
+    assert len(upstream) == 3 and any(o is not None for o in upstream.values())
+    assert {p.entry.name for p in shared} == {"entry.write_item", "entry.writer_finish",
+                                              "entry.write_buckets"}
+    own = {(p.target, p.attr) for p in _declared() if isinstance(p, Patch)}
+    assert not own & {(p.target, p.attr) for p in shared}
+
+
+def test_layers_run_in_the_declared_order_whatever_the_install_order():
+    """The trivial wrong design (each feature wraps whatever is there) makes the order the
+    order of install() calls: here b is installed first and must still run inside a."""
+    calls: list[str] = []
+    mod = types.ModuleType("mcf_test_entry")
+    mod.f = lambda x: calls.append("upstream") or x
+    original = mod.f
+    sys.modules["mcf_test_entry"] = mod
+    entry = EntryPoint("entry.f", "mcf_test_entry", "f", layers=("t.a", "t.b"))
+
+    def layer(name):
+        def build(inner):
+            return lambda x: calls.append(name) or inner(x + 1)
+        return Layer(name, entry, build, why="test")
+
+    try:
+        ps = PatchSet()
+        ps.install([layer("t.b")])
+        ps.install([layer("t.a")])
+        assert mod.f(0) == 2 and calls == ["t.a", "t.b", "upstream"]
+        assert ps.patched() == [("mcf_test_entry", "f")] and ps.names() == ["t.b", "t.a"]
+        ps._restore(["t.a"])
+        calls.clear()
+        assert mod.f(0) == 1 and calls == ["t.b", "upstream"]
+        with pytest.raises(ValueError, match="not in the declared order"):
+            ps.install([layer("t.c")])
+        ps.restore_all()
+        assert mod.f is original and ps.patched() == []
+    finally:
+        del sys.modules["mcf_test_entry"]
 
 
 def test_optional_patch_with_missing_symbol_is_reported_not_applied():

@@ -25,7 +25,8 @@ MCORE = f"megatron-core {importlib.metadata.version('megatron-core')}"
 
 #: installed() as it reads: applied patches with why, the others with why not.
 INSTALLED = {
-    "structure.cached_save.scope": "a save records whether its caller validated the sharding",
+    "structure.cached_save.plan.save": "cached save plans are reused only while every rank's "
+                                       "structure signature holds",
     "structure.integrity.validate_sharding_integrity": "sharding is validated by all ranks",
     "writer_failures.processes.mp": "the forked checkpoint writers are watched",
     "writer_failures.threads.collection": "not applied: not needed: megatron-core's file "
@@ -95,7 +96,7 @@ def test_the_status_report_per_feature():
     assert lines[0].startswith(f"megatron-ckpt-fixes {__version__} on {MCORE}, torch ")
     assert lines[1:] == [
         "applied: 3 patches",
-        "  structure (2): cached_save.scope, integrity.validate_sharding_integrity",
+        "  structure (2): cached_save.plan.save, integrity.validate_sharding_integrity",
         "  writer_failures (1): processes.mp",
         "not applied: 5 patches",
         "  writer_failures.threads.collection: not needed: megatron-core's file writer writes "
@@ -115,7 +116,8 @@ def test_status_installs_here_and_reports(clean_install, capsys, monkeypatch):
     count = len(clean_install.installed())
     assert out[0].endswith("; features: structure (--features)")
     assert out[1] == f"applied: {count} patches"
-    assert out[2].startswith(f"  structure ({count}): cached_save.")
+    assert out[2] == "  save_call (1): save"  # the save in progress, which structure reads
+    assert out[3].startswith(f"  structure ({count - 1}): cached_save.")
     assert cli_main(["status", "--features", "nope"]) == 2
     assert "unknown feature(s) ['nope']" in capsys.readouterr().err
 

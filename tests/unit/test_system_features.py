@@ -29,6 +29,7 @@ from megatron_ckpt_fixes import _after_import
 from megatron_ckpt_fixes._patching import Patch
 from megatron_ckpt_fixes.activation import arm, by_system, disarm
 from megatron_ckpt_fixes.errors import UnsupportedVersionError
+from megatron_ckpt_fixes.features import BY_NAME, FIX, Feature
 
 _names = count()
 
@@ -52,6 +53,10 @@ def system(tmp_path, monkeypatch, clean_install):
                             build=lambda original: lambda: 2, why="the test's fix",
                             reads=(f"{package}.api:NEEDED",)),)
     monkeypatch.setitem(sys.modules, module.__name__, module)
+    registered = Feature(feature, feature, FIX, system=package)
+    monkeypatch.setattr(megatron_ckpt_fixes, "REGISTRY",
+                        (*megatron_ckpt_fixes.REGISTRY, registered))
+    monkeypatch.setitem(BY_NAME, feature, registered)
     monkeypatch.setattr(megatron_ckpt_fixes, "FEATURES",
                         (*megatron_ckpt_fixes.FEATURES, feature))
     monkeypatch.setitem(megatron_ckpt_fixes.SYSTEMS, feature, package)

@@ -1,5 +1,5 @@
-"""torch.save's framing replayed: the same bytes as torch's own save, used from a layout's
-third save on, never where the framing could differ.
+"""The opt-in speed-up torch_save_frames: torch.save's framing replayed, the same bytes as
+torch's own save, used from a layout's third save on, never where the framing could differ.
 
 Wrong fixes each check catches: a replay never used (nothing gained), a replay from the
 first record on (a framing that changes per call would be replayed unchecked), a layout key
@@ -14,7 +14,13 @@ import io
 import pytest
 import torch
 
-from megatron_ckpt_fixes.checksums import frames
+from megatron_ckpt_fixes import torch_save_frames as frames
+from megatron_ckpt_fixes.checksums import writer
+
+
+def replay_allowed():
+    """Inside a checksummed record, as the checksums feature's writer makes one."""
+    return writer._without_torch_crc32(None)
 
 
 @pytest.fixture
@@ -40,7 +46,7 @@ def _counting_save() -> tuple[list[int], object]:
 
 def _bytes(save, tensor: torch.Tensor) -> bytes:
     buffer = io.BytesIO()
-    with frames.replay_allowed():
+    with replay_allowed():
         save(tensor, buffer)
     return buffer.getvalue()
 
@@ -77,6 +83,35 @@ def test_a_replay_writes_torchs_own_bytes_from_a_layouts_third_save(crc_off):
         assert len(calls) - before == (len(tensors) if seed < 2 else 0)
 
 
+def test_a_failure_of_its_own_falls_back_to_torchs_save(crc_off, monkeypatch, caplog):
+    """A renamed private name of torch (here: the layout check raising) must not fail the
+    save inside the writer: torch's own save runs, and the fallback is logged once."""
+    calls, save = _counting_save()
+
+    def renamed(_obj):
+        raise AttributeError("module 'torch._utils' has no attribute '_get_obj_state'")
+
+    monkeypatch.setattr(frames, "layout_of", renamed)
+    monkeypatch.setattr(frames, "_failed", [])
+    tensor = torch.randn(100)
+    for _ in range(3):
+        assert _bytes(save, tensor) == _torch_bytes(tensor)
+    assert len(calls) == 3
+    assert caplog.text.count("falls back to torch.save") == 1
+
+
+def test_install_declares_the_private_names_it_reads(clean_install, monkeypatch):
+    """A torch without one of them: the speed-up is skipped, saying which; the rest is
+    installed."""
+    import torch._utils
+
+    monkeypatch.delattr(torch._utils, "_get_obj_state")
+    clean_install.install(["compat.cpu", "checksums", "torch_save_frames"])
+    why = clean_install.installed()["torch_save_frames.save"]
+    assert why.startswith("not applied: optional") and "_get_obj_state" in why
+    assert "checksums.write_item" in clean_install.installed()
+
+
 def test_a_framing_that_varies_between_saves_is_never_replayed(crc_off):
     count = [0]
 
@@ -108,7 +143,7 @@ def test_torchs_own_save_wherever_the_framing_could_say_more(crc_off, case):
         if case == "outside a record":
             save(tensor, buffer)
         else:
-            with frames.replay_allowed():
+            with replay_allowed():
                 if case == "extra argument":
                     save(tensor, buffer, _disable_byteorder_record=True)
                 else:
@@ -131,9 +166,9 @@ def test_megatron_cores_writer_replays_and_its_records_load_bitwise(numel):
     from megatron_ckpt_fixes.checksums.hashing import checksum_of
 
     frames._frames.clear()
-    megatron_ckpt_fixes.install(["compat.cpu", "checksums"])
+    megatron_ckpt_fixes.install(["compat.cpu", "checksums", "torch_save_frames"])
     try:
-        assert "checksums.torch_save_frames" in megatron_ckpt_fixes.installed()
+        assert "torch_save_frames.save" in megatron_ckpt_fixes.installed()
         for seed in range(3):
             tensor = torch.randn(numel, generator=torch.Generator().manual_seed(seed))
             stream = io.BytesIO()

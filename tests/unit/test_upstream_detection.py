@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from megatron_ckpt_fixes import OPTIONAL_FEATURES
+
 pytestmark = pytest.mark.varies_with("torch", "python")
 
 RELEASES = ("0.16.1", "0.17.1", "0.18.2", "0.19.2")
@@ -35,10 +37,7 @@ TRANSIENT_FAULT = {"rerun.transient_fault.should_checkpoint_and_exit"}
 #: of the other way do not apply.
 COMMON_BY_CLASSES = {"checksums.save_common", "checksums.load_common"}
 COMMON_BY_FUNCTIONS = {"checksums.save_common_strategy", "checksums.load_common_strategy"}
-#: From 0.17 validation reads metadata.json through core (whose patch checks it), not by its own
-#: name for maybe_load_config.
-CONFIG_IN_CORE = {"checksums.load_config_validation"}
-LATER = FORKED_WRITERS | COMMON_BY_FUNCTIONS | CONFIG_IN_CORE
+LATER = FORKED_WRITERS | COMMON_BY_FUNCTIONS
 #: Patches each release does not need (detected); every other patch must apply there.
 UPSTREAM_HAS = {
     "0.16.1": THREADED_WRITER | COMMON_BY_CLASSES,
@@ -76,4 +75,4 @@ def test_install_detects_what_each_release_already_does(release_env, release):
     assert not_needed == UPSTREAM_HAS[release], {n: patches[n] for n in not_needed}
     assert set(found["installed"]) == {
         name for name in patches if name not in not_needed
-        and not name.startswith("training.cpu_support")}
+        and not name.startswith(tuple(f"{f}." for f in OPTIONAL_FEATURES))}

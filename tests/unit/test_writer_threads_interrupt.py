@@ -34,7 +34,7 @@ def test_an_interrupt_on_the_calling_thread_is_raised_and_a_thread_failure_repor
         results_queue.put((local_proc_idx, []))
 
     monkeypatch.setattr(writer, "write_preloaded_data", staticmethod(write_preloaded_data))
-    multiproc = threaded_bucket_writers(writer.write_preloaded_data_multiproc).__func__
+    multiproc = threaded_bucket_writers(writer.write_preloaded_data_multiproc)
     results: queue.Queue = queue.Queue()
     buckets = [("a.distcp", "exits", ([], [])), ("b.distcp", "interrupted", ([], []))]
     with pytest.raises(KeyboardInterrupt):

@@ -1,39 +1,42 @@
-"""torch.save's framing of a checksummed tensor item, recorded per layout and replayed.
+"""Speed-up, opt-in: torch.save's framing of a checksummed tensor item, recorded per layout and
+replayed.
 
 torch DCP's ``_write_item`` serializes every tensor item with ``torch.save``: a pickle of the
-tensor's layout, a zip archive of five records around the storage's bytes, about 40 writes.
-For a plain CPU tensor, with torch's CRC-32 off (the records the checksums feature vouches
-for, :mod:`.writer`), what those writes hold depends only on the tensor's layout (dtype,
-shape, strides, storage offset and size) and torch's settings, never on its values: two
-saves of equal layouts differ only in the storage's bytes. Building that framing costs about
-0.3 ms of Python per item: the realistic benchmark's save (two ranks, 240 items and 0.563 GiB
-each, tmpfs, megatron-core 0.16.1, medians of 10 saves) took 0.48-0.55 s with torch's own
-framing, 0.37-0.42 s with it replayed.
+tensor's layout and a zip archive of five records around the storage's bytes, about 40
+writes, built in Python for every item. For a plain CPU tensor, with torch's CRC-32 off
+(inside the records the ``checksums`` feature vouches for), what those writes hold depends
+only on the tensor's layout (dtype, shape, strides, storage offset and size) and torch's
+settings, never on its values.
 
-So inside a checksummed record (:func:`replay_allowed`), the patched ``torch.save`` keeps
-what torch wrote for a layout: the first save of a layout is torch's own, recorded; the
-second is torch's own again, and the layout is replayed from then on only if its framing
-was the same both times (detected, so a torch whose framing changes per call, a counter or
-a timestamp, is never replayed). A replay writes the recorded pieces and the storage's
-bytes, in torch's order, through the same stream: byte for byte what ``torch.save`` writes
-(the tests compare), and the checksum is taken from those writes as before.
+So inside a checksummed record the patched ``torch.save`` keeps what torch wrote for a
+layout: the first save of a layout is torch's own, recorded; the second is torch's own
+again, and the layout is replayed from then on only if its framing was the same both times
+(so a torch whose framing changes per call is never replayed). A replay writes the recorded
+pieces and the storage's bytes, in torch's order, through the same stream: byte for byte what
+``torch.save`` writes, and the checksum is taken from those writes as before.
 
 Anything else is torch's own ``torch.save``: another thread, CRC-32 on, extra arguments, a
 subclass or a tensor with Python state, hooks or gradients, a quantized, sparse, conjugate
-or negative-bit tensor, an empty storage, ``torch.serialization.skip_data``.
+or negative-bit tensor, an empty storage, ``torch.serialization.skip_data``; and any failure
+of this module's own logic before a byte is written. It reads torch's private serialization
+state (:data:`READS`): ``install()`` skips it, saying what is missing, where torch lacks one.
+Opt-in (``install([..., "torch_save_frames"])``, ``MEGATRON_CKPT_FIXES=1,torch_save_frames``):
+docs/benchmarks.md has what it saves.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+import logging
+from collections.abc import Callable
 from typing import Any
 
 import numpy
 import torch
+
+from ._patching import Patch
+from .checksums.writer import crc32_kept, in_checksummed_record
 
 #: Layouts kept at most (a model has far fewer distinct ones); beyond it, torch's own save.
 MAX_LAYOUTS = 1 << 14
@@ -43,19 +46,11 @@ Piece = Any
 STORAGE = None
 FLUSH = b""
 
-_allowed = threading.local()
+logger = logging.getLogger(__name__)
 
-
-@contextmanager
-def replay_allowed() -> Iterator[None]:
-    """Within the block, this thread's ``torch.save`` of an eligible tensor may be
-    replayed (torch's CRC-32 must be off for this thread's records)."""
-    outer = getattr(_allowed, "on", False)
-    _allowed.on = True
-    try:
-        yield
-    finally:
-        _allowed.on = outer
+#: torch's private names the layout check reads (each declared to ``install()``).
+READS = ("torch._utils:_get_obj_state", "torch._utils:get_tensor_metadata",
+         "torch.serialization:_serialization_tls", "torch.serialization:_get_storage_alignment")
 
 
 def layout_of(obj: Any) -> tuple | None:
@@ -125,14 +120,32 @@ _frames: dict[tuple, tuple[tuple[Piece, ...], bool] | None] = {}
 _MISSING = object()
 
 
+def _known_layout(obj: Any) -> tuple[tuple | None, Any]:
+    """``obj``'s layout and what is recorded for it (``_MISSING``: nothing yet; None: torch's
+    own save), or ``(None, None)`` wherever torch's own save must run, this function's own
+    failure included (logged once)."""
+    try:
+        layout = layout_of(obj)
+    except Exception as exc:  # noqa: BLE001 - a speed-up falls back to torch's own save
+        if not _failed:
+            _failed.append(exc)
+            logger.warning("torch_save_frames falls back to torch.save: %s: %s",
+                           type(exc).__name__, exc)
+        return None, None
+    return layout, (_frames.get(layout, _MISSING) if layout is not None else None)
+
+
+_failed: list[Exception] = []
+
+
 def replaying_save(original: Callable[..., None]) -> Callable[..., None]:
     """Wrap ``torch.save`` (see the module)."""
 
     @functools.wraps(original)
     def save(obj: Any, f: Any, *args: Any, **kwargs: Any) -> None:
-        layout = (layout_of(obj) if not args and not kwargs and getattr(_allowed, "on", False)
-                  else None)
-        known = _frames.get(layout, _MISSING) if layout is not None else None
+        if args or kwargs or not in_checksummed_record():
+            return original(obj, f, *args, **kwargs)
+        layout, known = _known_layout(obj)
         if known is None:
             return original(obj, f, *args, **kwargs)
         storage = obj.untyped_storage()
@@ -149,3 +162,28 @@ def replaying_save(original: Callable[..., None]) -> Callable[..., None]:
         return None
 
     return save
+
+
+def _skip_data_problems() -> list[str]:
+    from torch.serialization import _serialization_tls
+
+    if isinstance(getattr(_serialization_tls, "skip_data", None), bool):
+        return []
+    return ["torch.serialization._serialization_tls has no skip_data flag: a save under "
+            "torch.serialization.skip_data could be replayed with data"]
+
+
+PATCHES: tuple[Patch, ...] = (
+    Patch(
+        name="torch_save_frames.save",
+        target="torch",
+        attr="save",
+        build=replaying_save,
+        reads=READS,
+        probes=(_skip_data_problems,),
+        not_needed=crc32_kept,
+        optional=True,  # a speed-up: where it cannot be applied, torch.save is torch's
+        why="inside the records the checksums feature writes, torch.save's framing of a "
+            "tensor is replayed from an earlier save of the same layout (the same bytes)",
+    ),
+)
