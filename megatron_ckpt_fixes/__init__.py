@@ -47,6 +47,7 @@ FEATURES: tuple[str, ...] = (
     "rerun.stats_report",
     "rerun.transient_fault",
     "load_errors",
+    "sharded_objects",
     "async_worker",
     "compat.rerun_device",
     "dtensor.mcore",
