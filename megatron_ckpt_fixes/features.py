@@ -57,6 +57,7 @@ REGISTRY: tuple[Feature, ...] = (
     Feature("rerun.stats_report", "rerun.stats_report", FIX),
     Feature("rerun.transient_fault", "rerun.transient_fault", FIX),
     Feature("load_errors", "load_errors", FIX),
+    Feature("sharded_objects", "sharded_objects", FIX),
     Feature("async_worker", "async_worker", FIX),
     Feature("compat.rerun_device", "compat.rerun_device", SUPPORT),
     Feature("dtensor.mcore", "dtensor.mcore", FIX),
