@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from megatron_ckpt_fixes import FEATURES
-from megatron_ckpt_fixes.testing import run_ranks
+from megatron_ckpt_fixes._dev.testing import run_ranks
 
 SETUPS = {
     "upstream uncached": (["compat.cpu"], False),
@@ -111,8 +111,8 @@ def _checksum_work(n: int, rank: int, root: str, rounds: int) -> float:
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-    from megatron_ckpt_fixes.checksums.record import write_record
-    from megatron_ckpt_fixes.checksums.writer import checksummed_write_item, record_of
+    from megatron_ckpt_fixes.fixes.checksums.record import write_record
+    from megatron_ckpt_fixes.fixes.checksums.writer import checksummed_write_item, record_of
 
     plain = filesystem_async._write_item  # megatron-core's own (uninstalled in this setup)
     wrapped = checksummed_write_item(plain)
@@ -161,7 +161,7 @@ def _bench(rank: int, ws: int, sizes: list[int], rounds: list[int], root: str,
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
     from tqdm import tqdm
 
-    from megatron_ckpt_fixes.structure import StructureGuard
+    from megatron_ckpt_fixes.fixes.structure import StructureGuard
 
     results: dict = {}
     counter = iter(range(10**9))

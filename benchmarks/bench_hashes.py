@@ -8,7 +8,7 @@ again and again (from the cache, as bytes just written are), the cost of one cal
 to wait while it hashed the large buffer, against the time the hash took: close to the
 hash time means it holds the GIL). The checksums feature needs a fast hash that releases
 the GIL (its writers hash each piece as they write it, several writer threads at once): see
-megatron_ckpt_fixes/checksums/algorithms.py for the choice.
+megatron_ckpt_fixes/fixes/checksums/algorithms.py for the choice.
 
     python benchmarks/bench_hashes.py [--mib 512] [--repeats 5]
 """

@@ -108,8 +108,9 @@ import torch
 import torch.distributed as dist
 from bench_cached_save import Spread, max_over_ranks, timed
 
-from megatron_ckpt_fixes import FEATURES, OPTIONAL_FEATURES, SPEEDUPS, writeback
-from megatron_ckpt_fixes.testing import run_ranks
+from megatron_ckpt_fixes import FEATURES, OPTIONAL_FEATURES, SPEEDUPS
+from megatron_ckpt_fixes.speedups import writeback
+from megatron_ckpt_fixes._dev.testing import run_ranks
 
 
 @dataclass(frozen=True)
@@ -370,9 +371,9 @@ def _bench(rank: int, ws: int, layers: int, hidden: int, rounds: int, root: str,
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
     from tqdm import tqdm
 
-    from megatron_ckpt_fixes import snapshot
-    from megatron_ckpt_fixes.checksums import verify_checkpoint
-    from megatron_ckpt_fixes.cli.checks import verify
+    from megatron_ckpt_fixes.fixes import snapshot
+    from megatron_ckpt_fixes.fixes.checksums import verify_checkpoint
+    from megatron_ckpt_fixes.tools.cli.checks import verify
 
     integrity = _integrity_kwarg()
     saves = _setups(mode, integrity)
@@ -587,7 +588,7 @@ def _bench_replicas(rank: int, ws: int, layers: int, hidden: int, rounds: int,
     from megatron.core import dist_checkpointing as dc
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    from megatron_ckpt_fixes.replicas.exchange import check_replicas
+    from megatron_ckpt_fixes.fixes.replicas.exchange import check_replicas
 
     megatron_ckpt_fixes.install()
     sd = state_dict(rank, ws, layers, hidden)

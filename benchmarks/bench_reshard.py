@@ -70,7 +70,7 @@ import torch.distributed.checkpoint as dcp
 from megatron_ckpt_fixes.reshard import (
     MISS_ID, BlockOwnership, Column, LocalTable, SlotRanges, TableShard, load_table, table_state_dict,
 )
-from megatron_ckpt_fixes.testing import run_ranks
+from megatron_ckpt_fixes._dev.testing import run_ranks
 
 # The TorchRec model is the tests' own builder (one model, one place); spawned ranks import it.
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests" / "functional"))
@@ -98,7 +98,7 @@ class Config:
         """The rank that serves each id at ``world`` ranks (TorchRec's routing or its rule)."""
         if self.torchrec:
             import torchrec_model as tm
-            from megatron_ckpt_fixes.reshard.torchrec_dmp import TorchRecRouting
+            from megatron_ckpt_fixes.integrations.torchrec import TorchRecRouting
 
             return TorchRecRouting(self.hash_size, tm.BUCKETS).owner(ids, world)
         return BlockOwnership(self.hash_size).owner(ids, world)
@@ -269,7 +269,7 @@ class TorchRecTable(BenchTable):
         self.mc._output_segments_tensor.copy_(self.segments)
 
     def reshard(self, ckpt: str) -> tuple[int, int]:
-        from megatron_ckpt_fixes.reshard.torchrec_dmp import load
+        from megatron_ckpt_fixes.integrations.torchrec import load
 
         report = next(iter(load(self.state(), ckpt, self.model).values()))
         return report.kept_total, report.evicted_total

@@ -39,8 +39,8 @@ import zipfile
 from bench_cached_save import Spread
 from bench_realistic_save import GIB, state_dict
 
-from megatron_ckpt_fixes.checksums.writer import KEEP_CRC32_ENV
-from megatron_ckpt_fixes.testing import run_ranks
+from megatron_ckpt_fixes.fixes.checksums.writer import KEEP_CRC32_ENV
+from megatron_ckpt_fixes._dev.testing import run_ranks
 
 SETUPS = {"CRC-32 off (default)": None, "CRC-32 kept": "1"}  # name: KEEP_CRC32_ENV's value
 
@@ -57,7 +57,7 @@ def _crc_ok(path: str) -> bool:
     (objects, such as 0.19's common state, are serialized before the writer: they keep it)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-    from megatron_ckpt_fixes.cli.checks import read_metadata
+    from megatron_ckpt_fixes.tools.cli.checks import read_metadata
 
     metadata = read_metadata(path)
     info = min((info for index, info in metadata.storage_data.items()

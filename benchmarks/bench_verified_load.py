@@ -33,7 +33,7 @@ from bench_cached_save import Spread, timed
 from bench_realistic_save import GIB, _evict, state_dict
 
 from megatron_ckpt_fixes import FEATURES
-from megatron_ckpt_fixes.testing import run_ranks
+from megatron_ckpt_fixes._dev.testing import run_ranks
 
 LOADS = {"checked (all fixes)": None,
          "unchecked (fixes w/o checksums)": [f for f in FEATURES if f != "checksums"]}
@@ -45,7 +45,7 @@ def _bench(rank: int, ws: int, layers: int, hidden: int, rounds: int, root: str)
     from megatron.core.dist_checkpointing.mapping import is_main_replica
     from tqdm import tqdm
 
-    from megatron_ckpt_fixes.checksums import read_record
+    from megatron_ckpt_fixes.fixes.checksums import read_record
 
     sd = state_dict(rank, ws, layers, hidden)
     path = os.path.join(root, "ckpt")

@@ -26,12 +26,13 @@ import sys
 import threading
 from collections.abc import Iterable
 
-from . import _after_import
-from . import save_call
-from ._patching import Declared, PatchSet
-from .compat.versions import check_supported
-from .errors import MegatronCkptFixesError, UnsupportedVersionError
-from .features import BY_NAME, MEGATRON_CORE, REGISTRY, SPEEDUP, canonical, named
+from megatron_ckpt_fixes.core import after_import as _after_import
+from megatron_ckpt_fixes.core import save_call
+from megatron_ckpt_fixes.core.patching import Declared, PatchSet
+from megatron_ckpt_fixes.compat.versions import check_supported
+from megatron_ckpt_fixes.core.errors import MegatronCkptFixesError, UnsupportedVersionError
+from megatron_ckpt_fixes.core.features import (BY_NAME, MEGATRON_CORE, REGISTRY, SPEEDUP, canonical,
+    named)
 
 __version__ = "0.1.0"
 __all__ = ["FEATURES", "FIXES", "OPTIONAL_FEATURES", "SPEEDUPS", "SYSTEMS", "MegatronCkptFixesError",
@@ -206,7 +207,7 @@ def installed() -> dict[str, str]:
     """Each applied patch with why it is needed, then each chosen patch that was not applied
     (``"not applied: ..."``: upstream already has the fix here, an optional one's upstream
     symbol is missing, or its system is not installed; ``"waiting: ..."``: its system is
-    installed but not imported yet). For a person: :func:`megatron_ckpt_fixes.status.report`,
+    installed but not imported yet). For a person: :func:`megatron_ckpt_fixes.tools.status.report`,
     ``megatron-ckpt-fixes status``."""
     with _lock:
         return {**_patches.describe(), **_not_applied}

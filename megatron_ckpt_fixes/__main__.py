@@ -3,6 +3,6 @@ without a command, ``status`` (what ``install()`` applies here)."""
 
 import sys
 
-from .cli import main
+from megatron_ckpt_fixes.tools.cli import main
 
 sys.exit(main(sys.argv[1:] or ["status"]))

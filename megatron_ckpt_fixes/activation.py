@@ -25,7 +25,7 @@ traceback in every interpreter; left uncaught there it is one line, not a traceb
 
 Once the fixes are in, rank 0's interpreter prints one line to stderr, where a user of
 ``pretrain_gpt.py`` sees it: the release patched, how many patches, and what was not applied
-(:func:`megatron_ckpt_fixes.status.activation_line`; ``megatron-ckpt-fixes status`` gives the
+(:func:`megatron_ckpt_fixes.tools.status.activation_line`; ``megatron-ckpt-fixes status`` gives the
 details). Other ranks, and the processes rank 0 starts through ``multiprocessing``
 (megatron-core's spawned checkpoint workers, a forkserver importing the main script), stay
 quiet. Nothing is written to the environment, so a process's later, unrelated children
@@ -41,8 +41,8 @@ import sys
 from collections.abc import Sequence
 from types import TracebackType
 
-from . import _after_import
-from .errors import MegatronCkptFixesError
+from megatron_ckpt_fixes.core import after_import as _after_import
+from megatron_ckpt_fixes.core.errors import MegatronCkptFixesError
 
 logger = logging.getLogger(__name__)
 
@@ -71,8 +71,8 @@ def parse_features(value: str | None) -> tuple[str, ...] | None:
     text = (value or "").strip().lower()
     if text in _OFF:
         return None
-    from . import FEATURES, FIXES, OPTIONAL_FEATURES
-    from .features import BY_NAME
+    from megatron_ckpt_fixes import FEATURES, FIXES, OPTIONAL_FEATURES
+    from megatron_ckpt_fixes.core.features import BY_NAME
 
     features: list[str] = []
     for token in filter(None, (t.strip() for t in text.split(","))):
@@ -108,7 +108,7 @@ def _reports_here() -> bool:
 def _install(system: str, features: tuple[str, ...], value: str) -> None:
     import megatron_ckpt_fixes
 
-    from .status import activation_line
+    from megatron_ckpt_fixes.tools.status import activation_line
 
     megatron_ckpt_fixes.install(features)
     line = activation_line(megatron_ckpt_fixes.installed(), system, f"{ENV}={value}")
@@ -127,7 +127,7 @@ def _one_line_excepthook(previous: object) -> object:
     switch's value and what to set instead) rather than the import's traceback."""
 
     def hook(kind: type[BaseException], exc: BaseException, tb: TracebackType | None) -> None:
-        from .verbosity import verbose_requested
+        from megatron_ckpt_fixes.core.verbosity import verbose_requested
 
         if isinstance(exc, ActivationError) and not verbose_requested():
             print(f"megatron_ckpt_fixes: error: {exc}", file=sys.stderr, flush=True)
@@ -145,7 +145,7 @@ def _is_activation(callback: object) -> bool:
 def by_system(features: Sequence[str]) -> dict[str, tuple[str, ...]]:
     """The features grouped by the package whose import installs them (megatron-core's
     first), each group in ``features``' order."""
-    from . import MEGATRON_CORE, feature_system
+    from megatron_ckpt_fixes import MEGATRON_CORE, feature_system
 
     groups: dict[str, list[str]] = {MEGATRON_CORE: []}
     for feature in features:

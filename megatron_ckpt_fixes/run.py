@@ -23,8 +23,8 @@ import runpy
 import sys
 from collections.abc import Sequence
 
-from .activation import ENV, ActivationError, arm, parse_features
-from .messages import OneLineParser
+from megatron_ckpt_fixes.activation import ENV, ActivationError, arm, parse_features
+from megatron_ckpt_fixes.core.messages import OneLineParser
 
 
 def _split(argv: Sequence[str]) -> tuple[list[str], list[str]]:

@@ -32,7 +32,7 @@ logs: a new one per run (``tempfile.mkdtemp``), or ``--out DIR``, which must be 
 megatron-core's Python warnings (its import-time notes that Apex and Transformer Engine are
 absent, its deprecations: two thirds of the output) are not printed unless ``--verbose``: the
 ranks are ``scripts/train.py``, which hides them itself, as this process does
-(:mod:`megatron_ckpt_fixes.verbosity`); ``--verbose`` sets ``MEGATRON_CKPT_FIXES_VERBOSE=1``
+(:mod:`megatron_ckpt_fixes.core.verbosity`); ``--verbose`` sets ``MEGATRON_CKPT_FIXES_VERBOSE=1``
 for them.
 """
 
@@ -51,7 +51,7 @@ from pathlib import Path
 SCRIPTS = Path(__file__).resolve().parent
 sys.path.insert(0, str(SCRIPTS.parent))
 
-from megatron_ckpt_fixes.verbosity import VERBOSE_ENV, quiet_unless  # noqa: E402
+from megatron_ckpt_fixes.core.verbosity import VERBOSE_ENV, quiet_unless  # noqa: E402
 
 RUNNER = SCRIPTS / "run_with_restarts.py"
 JOB = ["--seed", "1237", "--train-iters", "8"]
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
     if quiet_unless(args.verbose):  # this process imports megatron-core below
         os.environ[VERBOSE_ENV] = "1"  # the ranks: train.py reads it
 
-    from megatron_ckpt_fixes.rerun.sentinel import upstream_emits_sentinel
+    from megatron_ckpt_fixes.fixes.rerun.sentinel import upstream_emits_sentinel
 
     sentinel_upstream = upstream_emits_sentinel() is not None
     results = {"part 1 (fault, exit 16, relaunch, rerun)":

@@ -11,7 +11,7 @@
 # 0.7.0 and transformers 5.18.0 among the wheels.
 #
 # The test ranks' process groups are "cpu:gloo,cuda:nccl" (MCF_TEST_BACKEND, read by
-# megatron_ckpt_fixes.testing and the tests' single-rank fixture), each rank on its own GPU:
+# megatron_ckpt_fixes._dev.testing and the tests' single-rank fixture), each rank on its own GPU:
 # CPU tensors go over gloo as in CI, every CUDA tensor over NCCL, and the package's CPU
 # stand-ins step aside (collectives run on CUDA), so megatron-core's own CUDA code runs.
 # What runs, by path or by marker, whatever of it exists in this checkout:

@@ -20,12 +20,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 # Flags are checked before megatron-core is imported: a bad one costs a second, not a
 # model build, and every rank exits while rank 0 says why.
-from megatron_ckpt_fixes.training.args import parse_args  # noqa: E402
-from megatron_ckpt_fixes.verbosity import quiet_unless  # noqa: E402
+from megatron_ckpt_fixes._dev.training.args import parse_args  # noqa: E402
+from megatron_ckpt_fixes.core.verbosity import quiet_unless  # noqa: E402
 
 if __name__ == "__main__":
     arguments = parse_args()
     quiet_unless(arguments.verbose)  # before the loop's imports load megatron-core
-    from megatron_ckpt_fixes.training.loop import main
+    from megatron_ckpt_fixes._dev.training.loop import main
 
     sys.exit(main(arguments))

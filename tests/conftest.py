@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
-from megatron_ckpt_fixes.testing import init_test_group
+from megatron_ckpt_fixes._dev.testing import init_test_group
 
 # Spawned ranks import helper modules that live beside the tests.
 sys.path.insert(0, str(Path(__file__).parent / "functional"))

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from .._patching import Patch
-from .device import BackendAwareTorch, cuda_collectives_reason
+from megatron_ckpt_fixes.core.patching import Patch
+from megatron_ckpt_fixes.compat.device import BackendAwareTorch, cuda_collectives_reason
 
 _STRATEGIES = "megatron.core.dist_checkpointing.strategies"
 

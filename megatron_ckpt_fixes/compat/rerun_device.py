@@ -23,9 +23,10 @@ from typing import Any
 
 import torch
 
-from .._patching import Patch
-from .cpu import backend_aware_torch_patch
-from .device import BackendAwareTorch, _BackendAwareCuda, backend_uses_cuda
+from megatron_ckpt_fixes.core.patching import Patch
+from megatron_ckpt_fixes.compat.cpu import backend_aware_torch_patch
+from megatron_ckpt_fixes.compat.device import (BackendAwareTorch, _BackendAwareCuda,
+    backend_uses_cuda)
 
 #: Environment variable naming the CPU "device" a rank runs on (see the module docstring).
 CPU_DEVICE_ENV = "MCF_CPU_DEVICE_INDEX"

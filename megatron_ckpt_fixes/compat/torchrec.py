@@ -26,7 +26,7 @@ from pathlib import Path
 
 from packaging.version import Version
 
-from ..errors import MegatronCkptFixesError
+from megatron_ckpt_fixes.core.errors import MegatronCkptFixesError
 
 TABLE = "_fbgemm_torch_compat_table"
 #: The distributions that provide the ``fbgemm_gpu`` package (CPU build first).

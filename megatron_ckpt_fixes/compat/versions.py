@@ -1,7 +1,7 @@
 """The megatron-core releases the fixes are tested with.
 
 What a release *does* is detected from its behaviour and its symbols (see
-:mod:`megatron_ckpt_fixes._patching`); this range only says which releases the fixes have
+:mod:`megatron_ckpt_fixes.core.patching`); this range only says which releases the fixes have
 been run against (0.16.1, 0.19.2 and 0.20.0, built from Megatron-LM main, in CI; 0.17.1
 and 0.18.2 by the detection tests).
 """
@@ -14,7 +14,7 @@ from importlib.metadata import PackageNotFoundError, version
 from packaging.specifiers import SpecifierSet
 from packaging.version import Version
 
-from ..errors import UnsupportedVersionError
+from megatron_ckpt_fixes.core.errors import UnsupportedVersionError
 
 #: Releases whose checkpoint internals the patches were written against and tested with.
 SUPPORTED_MCORE = SpecifierSet(">=0.16,<0.21")

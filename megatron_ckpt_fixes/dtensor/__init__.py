@@ -15,14 +15,16 @@ shape). This package closes all three:
 - :mod:`.checkpoint`: ``save``/``load`` around ``torch.distributed.checkpoint``.
 """
 
-from .adapter import KeyMap, StateDictAdapter
-from .checkpoint import load, save
-from .errors import LayoutAgreementError, PlacementError
-from .placements import (contiguous_stride, infer_global_shape, local_shape_and_offset,
+from megatron_ckpt_fixes.dtensor.adapter import KeyMap, StateDictAdapter
+from megatron_ckpt_fixes.dtensor.checkpoint import load, save
+from megatron_ckpt_fixes.dtensor.errors import LayoutAgreementError, PlacementError
+from megatron_ckpt_fixes.dtensor.placements import (contiguous_stride, infer_global_shape, local_shape_and_offset,
                          merge_param_sharding)
-from .rules import PlacementRule, PlacementTable, replicated, sharded
-from .transpose import cat, permute, permute_placements, split, transpose, transpose_placements
-from .wrap import CheckpointLayout, copy_into, from_local_exact, wrap_state_dict
+from megatron_ckpt_fixes.dtensor.rules import PlacementRule, PlacementTable, replicated, sharded
+from megatron_ckpt_fixes.dtensor.transpose import (cat, permute, permute_placements, split,
+    transpose, transpose_placements)
+from megatron_ckpt_fixes.dtensor.wrap import (CheckpointLayout, copy_into, from_local_exact,
+    wrap_state_dict)
 
 __all__ = [
     "CheckpointLayout", "KeyMap", "LayoutAgreementError", "PlacementError", "PlacementRule",

@@ -13,8 +13,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from . import transpose as tp
-from .errors import PlacementError
+from megatron_ckpt_fixes.dtensor import transpose as tp
+from megatron_ckpt_fixes.dtensor.errors import PlacementError
 
 _FIELD = re.compile(r"\{(\w+)\}")
 

@@ -19,8 +19,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 
-from .adapter import StateDictAdapter
-from .wrap import CheckpointLayout, copy_into, wrap_state_dict
+from megatron_ckpt_fixes.dtensor.adapter import StateDictAdapter
+from megatron_ckpt_fixes.dtensor.wrap import CheckpointLayout, copy_into, wrap_state_dict
 
 logger = logging.getLogger(__name__)
 

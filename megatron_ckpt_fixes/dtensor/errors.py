@@ -7,7 +7,7 @@ is what users got upstream.
 
 from __future__ import annotations
 
-from ..errors import MegatronCkptFixesError
+from megatron_ckpt_fixes.core.errors import MegatronCkptFixesError
 
 
 class PlacementError(MegatronCkptFixesError, ValueError):

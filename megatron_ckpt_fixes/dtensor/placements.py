@@ -17,7 +17,7 @@ from torch.distributed.tensor._utils import _compute_local_shape_and_global_offs
 from torch.distributed.tensor.placement_types import (Partial, Placement, Replicate, Shard,
                                                     _StridedShard)
 
-from .errors import PlacementError
+from megatron_ckpt_fixes.dtensor.errors import PlacementError
 
 Shape = tuple[int, ...]
 Coord = tuple[int, ...]

@@ -21,8 +21,8 @@ import torch
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor.placement_types import Placement, Replicate, Shard
 
-from .errors import PlacementError
-from .wrap import CheckpointLayout
+from megatron_ckpt_fixes.dtensor.errors import PlacementError
+from megatron_ckpt_fixes.dtensor.wrap import CheckpointLayout
 
 
 @dataclass(frozen=True)

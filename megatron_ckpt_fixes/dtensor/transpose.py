@@ -17,9 +17,9 @@ import torch
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
-from .errors import PlacementError
-from .placements import is_shard_like, normalize_placements, with_dim
-from .wrap import from_local_exact
+from megatron_ckpt_fixes.dtensor.errors import PlacementError
+from megatron_ckpt_fixes.dtensor.placements import is_shard_like, normalize_placements, with_dim
+from megatron_ckpt_fixes.dtensor.wrap import from_local_exact
 
 
 def _check_perm(perm: Sequence[int], ndim: int, key: str) -> tuple[int, ...]:

@@ -2,7 +2,7 @@
 
 A rank alone cannot know the global shape of an unevenly sharded tensor, nor whether the
 other ranks use the same layout. So each rank reports, per key, its layout and local shape
-(:class:`KeyReport`); after one gather (:func:`megatron_ckpt_fixes.agreement.gather`) every
+(:class:`KeyReport`); after one gather (:func:`megatron_ckpt_fixes.core.agreement.gather`) every
 rank runs :func:`verdict` on the same reports and reaches the same verdict. Pure functions:
 testable without processes.
 """
@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 
 from torch.distributed.tensor.placement_types import Placement
 
-from .errors import PlacementError
-from .placements import (Coord, Shape, check_local_shapes, check_strided_divisible,
+from megatron_ckpt_fixes.dtensor.errors import PlacementError
+from megatron_ckpt_fixes.dtensor.placements import (Coord, Shape, check_local_shapes, check_strided_divisible,
                          infer_global_shape)
 
 Problem = tuple[str, int | None, str]  # key, rank (None: not one rank's fault), mismatch

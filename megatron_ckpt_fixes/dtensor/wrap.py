@@ -9,7 +9,7 @@ stride are always passed to ``DTensor.from_local``: without them it assumes equa
 shapes on every rank and infers a wrong global shape for uneven shards.
 
 :func:`wrap_state_dict` is collective: one gather of every rank's local shapes and local
-errors (:func:`megatron_ckpt_fixes.agreement.gather`), from which every rank computes the same
+errors (:func:`megatron_ckpt_fixes.core.agreement.gather`), from which every rank computes the same
 global shapes and the same
 verdict, so a bad layout on one rank is the same :class:`LayoutAgreementError` everywhere.
 """
@@ -27,10 +27,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 from torch.distributed.tensor.placement_types import Placement
 
-from ..agreement import gather
-from .verdict import KeyReport, Problem, RankReport, verdict
-from .errors import LayoutAgreementError, PlacementError
-from .placements import (axes_of_lines, check_local_shapes, contiguous_stride, is_sharded,
+from megatron_ckpt_fixes.core.agreement import gather
+from megatron_ckpt_fixes.dtensor.verdict import KeyReport, Problem, RankReport, verdict
+from megatron_ckpt_fixes.dtensor.errors import LayoutAgreementError, PlacementError
+from megatron_ckpt_fixes.dtensor.placements import (axes_of_lines, check_local_shapes, contiguous_stride, is_sharded,
                          lines_through, merge_param_sharding, normalize_placements)
 
 logger = logging.getLogger(__name__)

@@ -18,15 +18,17 @@ lie in a DCP checkpoint) -> :mod:`.saved_chunks` (reading only the rows asked fo
 so it is not imported here).
 """
 
-from .checkpoint import Column, LocalTable, load_table, saved_ranges, sharded_rows, table_state_dict
-from .errors import ReshardError
-from .ownership import BlockOwnership, KeyOwnership, ModuloOwnership, RangeOwnership
-from .resharder import ReshardReport, ReshardResult, reshard
-from .records import NotPlainRecord
-from .saved_chunks import CheckpointRows, read_rows
-from .saved_rows import SavedEntries, SavedRows, TensorRows
-from .table import MISS_ID, SlotRanges, TableShard
-from .window import ReshardSpec, SavedWindow, read_windows
+from megatron_ckpt_fixes.reshard.checkpoint import (Column, LocalTable, load_table, saved_ranges,
+    sharded_rows, table_state_dict)
+from megatron_ckpt_fixes.reshard.errors import ReshardError
+from megatron_ckpt_fixes.reshard.ownership import (BlockOwnership, KeyOwnership, ModuloOwnership,
+    RangeOwnership)
+from megatron_ckpt_fixes.reshard.resharder import ReshardReport, ReshardResult, reshard
+from megatron_ckpt_fixes.reshard.records import NotPlainRecord
+from megatron_ckpt_fixes.reshard.saved_chunks import CheckpointRows, read_rows
+from megatron_ckpt_fixes.reshard.saved_rows import SavedEntries, SavedRows, TensorRows
+from megatron_ckpt_fixes.reshard.table import MISS_ID, SlotRanges, TableShard
+from megatron_ckpt_fixes.reshard.window import ReshardSpec, SavedWindow, read_windows
 
 __all__ = [
     "MISS_ID",

@@ -36,15 +36,16 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed._shard.metadata import ShardMetadata
 from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor, init_from_local_shards
 
-from .. import agreement
-from .errors import ReshardError, problem, problems_error, run_agreed
-from .exchange import carve
-from .ownership import BlockOwnership, KeyOwnership
-from .resharder import ReshardReport, reshard
-from .saved_chunks import CheckpointRows, piece_bytes_for
-from .saved_rows import SavedEntries
-from .table import MISS_ID, SlotRanges, TableShard
-from .window import ReshardSpec, SavedWindow, read_windows, window_problems
+from megatron_ckpt_fixes.core import agreement
+from megatron_ckpt_fixes.reshard.errors import ReshardError, problem, problems_error, run_agreed
+from megatron_ckpt_fixes.reshard.exchange import carve
+from megatron_ckpt_fixes.reshard.ownership import BlockOwnership, KeyOwnership
+from megatron_ckpt_fixes.reshard.resharder import ReshardReport, reshard
+from megatron_ckpt_fixes.reshard.saved_chunks import CheckpointRows, piece_bytes_for
+from megatron_ckpt_fixes.reshard.saved_rows import SavedEntries
+from megatron_ckpt_fixes.reshard.table import MISS_ID, SlotRanges, TableShard
+from megatron_ckpt_fixes.reshard.window import (ReshardSpec, SavedWindow, read_windows,
+    window_problems)
 
 logger = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@
 A failure that only one rank sees (a bad slot in its window, a duplicate id that landed on
 it) must not leave the other ranks waiting in the next all_to_all. Every phase therefore
 ends with :func:`check_problems` or :func:`require_same` (through
-:mod:`megatron_ckpt_fixes.agreement`: one small all_reduce, and a gather of the problems only
+:mod:`megatron_ckpt_fixes.core.agreement`: one small all_reduce, and a gather of the problems only
 when some rank found one), after which either every rank goes on or every rank raises the
 same :class:`ReshardError`. Each such point is a barrier, so a phase has one, not several.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, TypeVar
 
-from .. import agreement
-from ..errors import MegatronCkptFixesError
+from megatron_ckpt_fixes.core import agreement
+from megatron_ckpt_fixes.core.errors import MegatronCkptFixesError
 
 _SHOWN = 20
 T = TypeVar("T")

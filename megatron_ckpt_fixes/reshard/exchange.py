@@ -22,7 +22,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ..compat.device import collective_device
+from megatron_ckpt_fixes.compat.device import collective_device
 
 #: Word types every backend can move (gloo and NCCL have no int16).
 _WORDS = (torch.int64, torch.int32, torch.uint8)
@@ -57,8 +57,8 @@ def grouping(dest: torch.Tensor, world: int, index: torch.Tensor | None = None) 
     """Rows ``index`` (default all) reordered so that destinations are grouped in rank order,
     keeping the given order inside each group; ``None`` when the rows are in that order
     already (no index, destinations non-decreasing: sorted ids under block routing). A
-    counting sort (one pass per rank) for the usual small worlds: 3-4x faster than a stable
-    sort of the int64 destinations."""
+    counting sort (one pass per rank) for the usual small worlds: faster than a stable sort
+    of the int64 destinations."""
     if bool((dest[1:] >= dest[:-1]).all()):
         return index
     if world <= _COUNTING_SORT_MAX_WORLD:

@@ -34,7 +34,7 @@ from typing import Any
 
 import torch
 
-from ..errors import MegatronCkptFixesError
+from megatron_ckpt_fixes.core.errors import MegatronCkptFixesError
 
 #: A zip local file header (APPNOTE 4.3.7): signature, version, flags, method, time, date,
 #: CRC-32, compressed size, size, name length, extra length.

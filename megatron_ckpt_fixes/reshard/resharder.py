@@ -41,14 +41,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .. import agreement
-from ..compat.device import collective_device
-from .errors import check_problems, problem, require_same, run_agreed
-from .exchange import carve, send_grouped, send_rows
-from .routing import Route
-from .saved_rows import SavedEntries, SavedRows
-from .table import MISS_ID, SlotRanges, TableShard
-from .window import ReshardSpec, SavedWindow, window_problems
+from megatron_ckpt_fixes.core import agreement
+from megatron_ckpt_fixes.compat.device import collective_device
+from megatron_ckpt_fixes.reshard.errors import check_problems, problem, require_same, run_agreed
+from megatron_ckpt_fixes.reshard.exchange import carve, send_grouped, send_rows
+from megatron_ckpt_fixes.reshard.routing import Route
+from megatron_ckpt_fixes.reshard.saved_rows import SavedEntries, SavedRows
+from megatron_ckpt_fixes.reshard.table import MISS_ID, SlotRanges, TableShard
+from megatron_ckpt_fixes.reshard.window import ReshardSpec, SavedWindow, window_problems
 
 logger = logging.getLogger(__name__)
 

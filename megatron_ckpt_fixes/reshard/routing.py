@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .ownership import KeyOwnership, RangeOwnership
+from megatron_ckpt_fixes.reshard.ownership import KeyOwnership, RangeOwnership
 
 
 @dataclass(frozen=True)

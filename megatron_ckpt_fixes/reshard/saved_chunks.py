@@ -33,8 +33,8 @@ from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, Metadata
 from torch.distributed.checkpoint.planner import LoadPlan
 from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
-from .records import NotPlainRecord, RecordLayout, locate
-from .saved_rows import RowFormat
+from megatron_ckpt_fixes.reshard.records import NotPlainRecord, RecordLayout, locate
+from megatron_ckpt_fixes.reshard.saved_rows import RowFormat
 
 logger = logging.getLogger(__name__)
 
@@ -45,7 +45,7 @@ PIECE_BYTES, MIN_PIECE_BYTES = 16 << 20, 1 << 20
 def piece_bytes_for(shard_bytes: int) -> int:
     """The mapped piece for a rank whose local table is ``shard_bytes``: a sixteenth of it,
     within [1, 16] MiB. The piece is the reader's extra memory, so it follows the shard;
-    smaller pieces cost more maps (1 MiB pieces take about 15 % more CPU than 16 MiB)."""
+    smaller pieces cost more maps, hence CPU."""
     return min(PIECE_BYTES, max(MIN_PIECE_BYTES, shard_bytes // 16))
 
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import ReshardError
+from megatron_ckpt_fixes.reshard.errors import ReshardError
 
 #: Raw id of an empty position (and of the reserved last position).
 MISS_ID: int = torch.iinfo(torch.int64).max

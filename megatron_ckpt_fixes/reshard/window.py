@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import problem
-from .ownership import BlockOwnership, KeyOwnership
-from .routing import Route, route
-from .saved_rows import SavedRows
-from .table import MISS_ID, SlotRanges
+from megatron_ckpt_fixes.reshard.errors import problem
+from megatron_ckpt_fixes.reshard.ownership import BlockOwnership, KeyOwnership
+from megatron_ckpt_fixes.reshard.routing import Route, route
+from megatron_ckpt_fixes.reshard.saved_rows import SavedRows
+from megatron_ckpt_fixes.reshard.table import MISS_ID, SlotRanges
 
 
 @dataclass(frozen=True)

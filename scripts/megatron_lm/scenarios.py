@@ -12,7 +12,7 @@ before it), run with and without the fixes:
   not fail: Megatron-LM logs ``Unable to restore RerunMachine from checkpoint: 'sharded'``
   and the job exits 17 without rerunning the step: the diagnosis the fault was saved for is
   silently lost. (0.18 and later emit the object always: upstream works; asked of
-  upstream by :func:`megatron_ckpt_fixes.rerun.sentinel.upstream_emits_sentinel`.)
+  upstream by :func:`megatron_ckpt_fixes.fixes.rerun.sentinel.upstream_emits_sentinel`.)
 - :data:`ADAM_STATE_LATER`: optimizer state that appears after the first save. With
   ``--fp16`` the dynamic loss scale starts at 2^32 and the first iterations overflow and are
   skipped: no optimizer step, no Adam state. A save in that phase plans without
@@ -33,7 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable
 
-from megatron_ckpt_fixes.rerun.sentinel import upstream_emits_sentinel
+from megatron_ckpt_fixes.fixes.rerun.sentinel import upstream_emits_sentinel
 
 if TYPE_CHECKING:
     from run_case import CaseResult

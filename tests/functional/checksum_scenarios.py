@@ -25,7 +25,7 @@ ROWS = 4
 
 
 def local_values(rank: int) -> dict[str, torch.Tensor]:
-    from megatron_ckpt_fixes.checksums.writer import BUFFER_LIMIT
+    from megatron_ckpt_fixes.fixes.checksums.writer import BUFFER_LIMIT
 
     big = BUFFER_LIMIT // 4 + 1000  # float32 elements: just above the in-memory limit
     return {
@@ -86,7 +86,7 @@ def _failure(exc: BaseException) -> dict[str, Any]:
 
 
 def _verify(path: str, required: bool = False) -> dict[str, Any]:
-    from megatron_ckpt_fixes.checksums import verify_checkpoint
+    from megatron_ckpt_fixes.fixes.checksums import verify_checkpoint
 
     try:
         summary = verify_checkpoint(path, required=required)
@@ -118,7 +118,7 @@ def checksum_worker(rank: int, ws: int, root: str) -> dict[str, Any]:
         FullyParallelSaveStrategyWrapper)
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-    from megatron_ckpt_fixes.checksums import SIDECAR
+    from megatron_ckpt_fixes.fixes.checksums import SIDECAR
 
     out: dict[str, Any] = {}
     megatron_ckpt_fixes.install()

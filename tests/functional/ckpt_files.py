@@ -26,8 +26,8 @@ def write_metadata(ckpt: Path, metadata: Metadata) -> None:
 def rerecord(ckpt: str | os.PathLike, name: str) -> None:
     """Surgery on a whole file stands for a save that wrote it so: the checksum record, where
     it covers the file, takes the file's new bytes (a changed byte is then not the news)."""
-    from megatron_ckpt_fixes.checksums.files import read_back
-    from megatron_ckpt_fixes.checksums.record import read_record, write_record
+    from megatron_ckpt_fixes.fixes.checksums.files import read_back
+    from megatron_ckpt_fixes.fixes.checksums.record import read_record, write_record
 
     record = read_record(ckpt)
     if record is not None and name in record.whole_files:

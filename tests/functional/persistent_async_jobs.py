@@ -59,7 +59,7 @@ def _flipped_verdict(rank: int, path: str) -> tuple[str, str] | None:
     flipped: (error class, message), or None if it passed."""
     from ckpt_files import flip_tensor_byte
 
-    from megatron_ckpt_fixes.checksums import verify_checkpoint
+    from megatron_ckpt_fixes.fixes.checksums import verify_checkpoint
 
     flipped = f"{path}-flipped"
     if rank == 0:
@@ -123,8 +123,8 @@ def persistent_save_worker(rank: int, ws: int, subset: str, kill_rank: int | Non
     from megatron.core.dist_checkpointing import ShardedTensor
     from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
 
-    from megatron_ckpt_fixes._patching import PatchSet
-    from megatron_ckpt_fixes.checksums import verify_checkpoint
+    from megatron_ckpt_fixes.core.patching import PatchSet
+    from megatron_ckpt_fixes.fixes.checksums import verify_checkpoint
 
     if subset == "all":
         megatron_ckpt_fixes.install()

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from megatron_ckpt_fixes.testing import shared_temp_dir
+from megatron_ckpt_fixes._dev.testing import shared_temp_dir
 
 SEED = 1234
 EP = 2

@@ -107,7 +107,7 @@ def _request(tensors: list[torch.Tensor], rank: int, ws: int, path: str,
 def _checksums(path: str, installed: tuple[str, ...]) -> str:
     if "checksums" not in installed:
         return "none"
-    from megatron_ckpt_fixes.checksums import verify_checkpoint
+    from megatron_ckpt_fixes.fixes.checksums import verify_checkpoint
 
     try:
         return verify_checkpoint(path).status
@@ -241,7 +241,7 @@ def snapshot_worker(rank: int, ws: int, root: str, mode: str) -> dict[str, Any]:
     persistent.close()
 
     if mode == "fixed":
-        from megatron_ckpt_fixes import snapshot
+        from megatron_ckpt_fixes.fixes import snapshot
 
         out["stats"] = snapshot.stats()
         out["records"] = {name: _records(os.path.join(root, name), rank)

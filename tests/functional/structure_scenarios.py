@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from megatron_ckpt_fixes.testing import shared_temp_dir
+from megatron_ckpt_fixes._dev.testing import shared_temp_dir
 
 WARM_SAVES = 3
 
@@ -294,7 +294,7 @@ def run_scenario(rank: int, ws: int, root: str, change: str, strategy: str = "pl
 
 def scenario_worker(rank: int, ws: int, features: list[str] | None, change: str,
                     strategy: str = "plain", resume: bool = False) -> Outcome:
-    """Entry point for :func:`megatron_ckpt_fixes.testing.run_ranks`."""
+    """Entry point for :func:`megatron_ckpt_fixes._dev.testing.run_ranks`."""
     import megatron_ckpt_fixes
 
     megatron_ckpt_fixes.install(features)

@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 from snapshot_scenarios import snapshot_worker
 
-from megatron_ckpt_fixes.testing import run_ranks
+from megatron_ckpt_fixes._dev.testing import run_ranks
 
 WS = 2
 TORN_UPSTREAM = ("fork-shared-scheduled", "fork-shared-writing", "persistent-scheduled",

@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 from structure_scenarios import CHANGES, Outcome, scenarios_worker
 
-from megatron_ckpt_fixes.testing import run_ranks
+from megatron_ckpt_fixes._dev.testing import run_ranks
 
 WS = 2
 UPSTREAM = ["compat.cpu"]

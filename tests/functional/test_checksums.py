@@ -16,7 +16,7 @@ from __future__ import annotations
 import pytest
 from checksum_scenarios import checksum_worker
 
-from megatron_ckpt_fixes.testing import run_ranks
+from megatron_ckpt_fixes._dev.testing import run_ranks
 
 WS = 2
 

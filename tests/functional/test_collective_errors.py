@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ckpt_fixes.testing import run_ranks
+from megatron_ckpt_fixes._dev.testing import run_ranks
 
 
 def _overlapping_save(rank: int, ws: int, features: list[str] | None) -> str:
@@ -53,8 +53,8 @@ def _errors_worker(rank: int, ws: int) -> dict[str, str]:
     from megatron.core import dist_checkpointing as dc
     from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
-    from megatron_ckpt_fixes.agreement import AgreementError, agree, bounds
-    from megatron_ckpt_fixes.load_errors import CheckpointLoadError
+    from megatron_ckpt_fixes.core.agreement import AgreementError, agree, bounds
+    from megatron_ckpt_fixes.fixes.load_errors import CheckpointLoadError
 
     megatron_ckpt_fixes.install()
     out = {}

@@ -21,7 +21,7 @@ from optional_systems import require
 
 require("mlite")
 
-from megatron_ckpt_fixes.testing import run_ranks
+from megatron_ckpt_fixes._dev.testing import run_ranks
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import upstream_snapshots  # noqa: E402

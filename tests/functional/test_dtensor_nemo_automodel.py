@@ -22,7 +22,7 @@ from optional_systems import require
 
 require("nemo_automodel")
 
-from megatron_ckpt_fixes.testing import run_ranks
+from megatron_ckpt_fixes._dev.testing import run_ranks
 
 pytestmark = pytest.mark.varies_with("torch", "python", "nemo_automodel")
 

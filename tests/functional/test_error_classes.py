@@ -15,7 +15,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ckpt_fixes.testing import run_ranks
+from megatron_ckpt_fixes._dev.testing import run_ranks
 
 CASES = ("missing_directory", "strict_unexpected_key", "strict_missing_key",
          "key_not_in_checkpoint", "global_shape_mismatch")
@@ -77,7 +77,7 @@ def test_patched_error_keeps_every_upstream_class(raised, case):
     assert all(patched) and len({p[0] for p in patched}) == 1, patched  # same error everywhere
     assert patched[0][1] == patched[1][1], patched
     classes = set(patched[0][0])
-    assert "megatron_ckpt_fixes.errors.MegatronCkptFixesError" in classes
+    assert "megatron_ckpt_fixes.core.errors.MegatronCkptFixesError" in classes
     for rank, seen in enumerate(upstream):
         if seen is None:  # this rank loaded without error upstream (rank-local planning)
             continue

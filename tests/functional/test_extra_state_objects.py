@@ -26,7 +26,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ckpt_fixes.testing import run_ranks, shared_temp_dir
+from megatron_ckpt_fixes._dev.testing import run_ranks, shared_temp_dir
 
 pytestmark = pytest.mark.varies_with("megatron-core", "torch")
 

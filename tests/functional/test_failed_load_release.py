@@ -21,7 +21,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
-from megatron_ckpt_fixes.testing import run_ranks, shared_temp_dir
+from megatron_ckpt_fixes._dev.testing import run_ranks, shared_temp_dir
 
 
 class _Held:

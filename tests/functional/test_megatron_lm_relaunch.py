@@ -26,7 +26,7 @@ sys.path.insert(0, str(REPO / "scripts" / "megatron_lm"))
 import upstream_snapshots  # noqa: E402
 from relaunch import CRASH, relaunch_after_transient_fault  # noqa: E402
 
-from megatron_ckpt_fixes.rerun.transient_fault import upstream_skips_checkpoint  # noqa: E402
+from megatron_ckpt_fixes.fixes.rerun.transient_fault import upstream_skips_checkpoint  # noqa: E402
 
 pytestmark = pytest.mark.timeout(900)
 #: What the fixes log where they take upstream's checkpoint away.

@@ -26,7 +26,7 @@ import importlib.util
 
 import pytest
 
-from megatron_ckpt_fixes.testing import run_ranks
+from megatron_ckpt_fixes._dev.testing import run_ranks
 
 pytestmark = [
     pytest.mark.varies_with("megatron-core"),

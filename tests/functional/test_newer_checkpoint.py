@@ -18,7 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from megatron_ckpt_fixes.testing import run_ranks, shared_temp_dir
+from megatron_ckpt_fixes._dev.testing import run_ranks, shared_temp_dir
 
 WS = 2
 ITERATION = 7
@@ -107,7 +107,7 @@ def test_a_training_job_resuming_from_a_checkpoint_of_megatron_core_0_19(tmp_pat
     every rank ends with ``AttributeError: 'str' object has no attribute 'iterdir'``."""
     from training_runs import RANK_ENV, run_job
 
-    from megatron_ckpt_fixes.training import layout
+    from megatron_ckpt_fixes._dev.training import layout
 
     ckpt = tmp_path / "ckpt"
     job = ["--seed", "1237", "--tensor-model-parallel-size", "2"]
@@ -148,7 +148,7 @@ def test_the_probe_agrees_with_what_this_release_writes():
     a release whose save writes the ``common_state`` object reads one; 0.16.1 does not."""
     from megatron.core import dist_checkpointing
 
-    from megatron_ckpt_fixes.newer_checkpoint import reads_common_object
+    from megatron_ckpt_fixes.fixes.newer_checkpoint import reads_common_object
 
     assert reads_common_object(dist_checkpointing.load_common_state_dict) \
         == _writes_common_object()

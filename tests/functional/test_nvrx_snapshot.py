@@ -18,7 +18,7 @@ import pytest
 from optional_systems import NVRX, require
 from snapshot_scenarios import nvrx_worker
 
-from megatron_ckpt_fixes.testing import run_ranks
+from megatron_ckpt_fixes._dev.testing import run_ranks
 
 ENV = Path(__file__).resolve().parent / "nvrx_env"
 

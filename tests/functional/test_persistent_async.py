@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 from persistent_async_jobs import persistent_save_worker
 
-from megatron_ckpt_fixes.testing import run_ranks
+from megatron_ckpt_fixes._dev.testing import run_ranks
 
 
 @pytest.mark.timeout(900)

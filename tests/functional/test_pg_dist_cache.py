@@ -22,7 +22,7 @@ from __future__ import annotations
 import pytest
 from structure_scenarios import Outcome, scenario_worker, scenarios_worker
 
-from megatron_ckpt_fixes.testing import run_ranks
+from megatron_ckpt_fixes._dev.testing import run_ranks
 
 WS = 2
 RUNS = [("add_tensor_all", kind, False) for kind in ("pg_create", "pg_only", "pg_read")]
@@ -45,7 +45,7 @@ pytestmark = pytest.mark.skipif(not _has_pg_cache(),
 
 def without_memo_reset_worker(rank: int, ws: int, runs: list) -> dict:
     """install() with the structure fix's reset of the distribution memo switched off."""
-    from megatron_ckpt_fixes.structure import cached_save
+    from megatron_ckpt_fixes.fixes.structure import cached_save
 
     object.__setattr__(cached_save.DISTRIBUTION_CACHES, "forget_elsewhere", None)
     return scenarios_worker(rank, ws, None, runs)

@@ -30,7 +30,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ckpt_fixes.testing import run_ranks
+from megatron_ckpt_fixes._dev.testing import run_ranks
 
 pytestmark = pytest.mark.varies_with("megatron-core", "torch")
 
@@ -84,8 +84,8 @@ def _worker(rank: int, ws: int) -> dict:
     import megatron_ckpt_fixes
     from megatron.core import dist_checkpointing as dc
 
-    from megatron_ckpt_fixes.checksums import SIDECAR
-    from megatron_ckpt_fixes.preflight import check_loadable
+    from megatron_ckpt_fixes.fixes.checksums import SIDECAR
+    from megatron_ckpt_fixes.tools.preflight import check_loadable
 
     root = [tempfile.mkdtemp() if rank == 0 else None]
     dist.broadcast_object_list(root, src=0)

@@ -25,7 +25,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ckpt_fixes.testing import run_ranks
+from megatron_ckpt_fixes._dev.testing import run_ranks
 
 pytestmark = pytest.mark.varies_with("megatron-core", "torch")
 

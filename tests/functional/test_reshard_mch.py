@@ -22,7 +22,7 @@ from megatron_ckpt_fixes.reshard import (
     MISS_ID, BlockOwnership, Column, LocalTable, ModuloOwnership, ReshardError, ReshardSpec, SavedWindow,
     SlotRanges, TableShard, TensorRows, load_table, reshard, saved_ranges, table_state_dict,
 )
-from megatron_ckpt_fixes.testing import run_ranks
+from megatron_ckpt_fixes._dev.testing import run_ranks
 from dcp_records import deflated, rewrite_record
 from reshard_upstream import slot_routed_tables
 

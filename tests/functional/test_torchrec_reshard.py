@@ -1,7 +1,7 @@
 """Real TorchRec: a DMP-sharded managed-collision model saved with DCP at N ranks, loaded at M.
 
 Cases 2->3, 3->2 (a second round trip: the 2->3 result saved at 3 and loaded back at 2),
-2->4, 4->3, 1->3, the merge 4->2, and 2->2 (same layout: loaded by position). After ``megatron_ckpt_fixes.reshard.torchrec_dmp.load``
+2->4, 4->3, 1->3, the merge 4->2, and 2->2 (same layout: loaded by position). After ``megatron_ckpt_fixes.integrations.torchrec.load``
 (then the usual ``load_state_dict`` calls), on every rank: every id admitted before the save
 looks up (eval forward) bitwise the same embedding row; the rank that serves each id holds
 exactly those ids with the saved optimizer rows, counts and last-access iterations; unknown
@@ -29,8 +29,8 @@ from torch.distributed._shard.sharded_tensor import Shard, ShardedTensor
 
 import torchrec_model as tm
 from megatron_ckpt_fixes.reshard import ReshardError
-from megatron_ckpt_fixes.reshard.torchrec_dmp import TorchRecRouting, load
-from megatron_ckpt_fixes.testing import run_ranks
+from megatron_ckpt_fixes.integrations.torchrec import TorchRecRouting, load
+from megatron_ckpt_fixes._dev.testing import run_ranks
 
 pytestmark = pytest.mark.varies_with("torch", "python", "torchrec")
 

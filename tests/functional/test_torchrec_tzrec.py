@@ -48,7 +48,7 @@ from torch.distributed._shard.sharded_tensor import ShardedTensor
 import megatron_ckpt_fixes
 from megatron_ckpt_fixes.activation import ENV
 from megatron_ckpt_fixes.reshard import ReshardError
-from megatron_ckpt_fixes.testing import run_ranks
+from megatron_ckpt_fixes._dev.testing import run_ranks
 
 pytestmark = pytest.mark.varies_with("torch", "python", "torchrec", "tzrec")
 
@@ -162,7 +162,7 @@ def _local(value: object) -> torch.Tensor:
 
 
 def _measure(model, optimizer, rank: int, world: int, saved: dict) -> dict:
-    from megatron_ckpt_fixes.reshard.torchrec_dmp import TorchRecRouting
+    from megatron_ckpt_fixes.integrations.torchrec import TorchRecRouting
 
     ids, truth = saved["ids"], saved["truth"]
     rows, slots = tm.lookup(model, ids)

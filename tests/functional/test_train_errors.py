@@ -18,7 +18,7 @@ import pytest
 from ckpt_files import flip_tensor_byte, storage_entry
 from training_runs import COMMON, reference, reference_dir, run_job
 
-from megatron_ckpt_fixes.training import layout
+from megatron_ckpt_fixes._dev.training import layout
 
 JOB = [*COMMON[:2], "--tensor-model-parallel-size", "2"]
 
@@ -112,7 +112,7 @@ def test_a_load_path_that_does_not_exist_is_one_warning(tmp_path):
                              str(missing)])
     assert job.exit_codes == [0], job.output[-6000:]
     warned = [line for line in job.output.splitlines() if f"--load {missing}" in line]
-    assert warned == [f"[rank0] WARNING megatron_ckpt_fixes.training.checkpointing: --load "
+    assert warned == [f"[rank0] WARNING megatron_ckpt_fixes._dev.training.checkpointing: --load "
                       f"{missing} holds no checkpoint (no latest_checkpointed_iteration.txt): "
                       "starting from scratch (--exit-on-missing-checkpoint stops instead)"], \
         job.output[-6000:]

@@ -26,8 +26,8 @@ from training_runs import (
     run_job,
 )
 
-from megatron_ckpt_fixes.rerun.sentinel import upstream_emits_sentinel
-from megatron_ckpt_fixes.training import layout
+from megatron_ckpt_fixes.fixes.rerun.sentinel import upstream_emits_sentinel
+from megatron_ckpt_fixes._dev.training import layout
 
 FAULT_STEP = 5  # first injection with COMMON's seed; saves at iterations 1..4 came before
 

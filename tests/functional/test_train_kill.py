@@ -20,7 +20,7 @@ from training_runs import (
     run_job,
 )
 
-from megatron_ckpt_fixes.training import layout
+from megatron_ckpt_fixes._dev.training import layout
 
 
 def test_killed_save_leaves_previous_checkpoint(tmp_path, tmp_path_factory):

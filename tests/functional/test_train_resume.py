@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from training_runs import COMMON, assert_same_tensors, load_dump, reference, run_job
 
-from megatron_ckpt_fixes.training import layout
+from megatron_ckpt_fixes._dev.training import layout
 
 
 def test_stop_and_resume_is_bitwise_identical(tmp_path, tmp_path_factory):

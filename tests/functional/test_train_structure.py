@@ -20,7 +20,7 @@ import pytest
 from torch.distributed.checkpoint import FileSystemReader
 from training_runs import COMMON, assert_same_tensors, load_dump, run_job
 
-from megatron_ckpt_fixes.training import layout
+from megatron_ckpt_fixes._dev.training import layout
 
 UNFROZEN_STATE = "optimizer.state.exp_avg.embedding.word_embeddings.weight"
 RESUME_AT = 5  # two saves after the change at iteration 4

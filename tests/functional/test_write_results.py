@@ -28,8 +28,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ckpt_fixes.testing import loads_exactly, run_ranks
-from megatron_ckpt_fixes.write_results import InProcessFirst
+from megatron_ckpt_fixes._dev.testing import loads_exactly, run_ranks
+from megatron_ckpt_fixes.speedups.write_results import InProcessFirst
 
 pytestmark = pytest.mark.varies_with("megatron-core", "torch")
 

@@ -26,7 +26,7 @@ from pathlib import Path
 import pytest
 from writer_failures import applicable, run_cases, writes_with_processes
 
-from megatron_ckpt_fixes.testing import run_ranks
+from megatron_ckpt_fixes._dev.testing import run_ranks
 
 pytestmark = pytest.mark.timeout(600)
 
@@ -119,7 +119,7 @@ exec "$@"
 _JOB = """import json, sys
 sys.path.insert(0, "tests/functional")
 from writer_failures import run_cases
-from megatron_ckpt_fixes.testing import run_ranks
+from megatron_ckpt_fixes._dev.testing import run_ranks
 results = run_ranks(run_cases, 2, sys.argv[2].split(","), sys.argv[3] == "fixes",
                     timeout_s=400, check=False)
 json.dump([r.value if r is not None and r.ok else repr(r) for r in results],

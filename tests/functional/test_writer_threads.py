@@ -24,7 +24,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from megatron_ckpt_fixes.testing import loads_exactly, run_ranks
+from megatron_ckpt_fixes._dev.testing import loads_exactly, run_ranks
 
 pytestmark = pytest.mark.varies_with("megatron-core", "torch")
 

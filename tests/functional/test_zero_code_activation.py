@@ -24,9 +24,9 @@ import pytest
 from ckpt_files import flip_tensor_byte, read_metadata
 from script_modules import script_module
 
-from megatron_ckpt_fixes.checksums import read_record
-from megatron_ckpt_fixes.cli import main as cli_main
-from megatron_ckpt_fixes.training import layout
+from megatron_ckpt_fixes.fixes.checksums import read_record
+from megatron_ckpt_fixes.tools.cli import main as cli_main
+from megatron_ckpt_fixes._dev.training import layout
 
 pytestmark = pytest.mark.varies_with("torch", "python")
 

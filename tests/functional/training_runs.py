@@ -39,7 +39,7 @@ JOB_TIMEOUT_S = 240
 #: What the preloaded launcher imports: the ranks' test hooks (first: with dynamo disabled
 #: ``torch.compile`` is then the identity when megatron-core decorates its fusions) and the
 #: training loop with all it imports (torch, megatron-core, this package).
-PRELOAD = ["mcf_test_hooks:install", "megatron_ckpt_fixes.training.loop"]
+PRELOAD = ["mcf_test_hooks:install", "megatron_ckpt_fixes._dev.training.loop"]
 
 #: The model/data/seed every comparable run shares. With this seed and
 #: ``--error-injection-rate 10`` upstream's injector first fires in step 5 (after four saves).

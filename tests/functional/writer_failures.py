@@ -47,7 +47,7 @@ import psutil
 import torch
 import torch.distributed as dist
 
-from megatron_ckpt_fixes.testing import write_results_manager_pid
+from megatron_ckpt_fixes._dev.testing import write_results_manager_pid
 
 #: Seconds a save may take at most, on a loaded machine (a hang that no stack shows).
 DEADLINE_S = 120.0

@@ -30,7 +30,7 @@ from megatron_ckpt_fixes.activation import (
     parse_features,
 )
 from megatron_ckpt_fixes.run import main as run_main
-from megatron_ckpt_fixes.verbosity import VERBOSE_ENV
+from megatron_ckpt_fixes.core.verbosity import VERBOSE_ENV
 
 REPO = Path(__file__).resolve().parents[2]
 PTH = "megatron_ckpt_fixes-activation.pth"
@@ -130,7 +130,7 @@ def test_old_names_and_the_fixes_alone_are_values_of_the_switch(monkeypatch):
     """``fixes`` is the default features without the speed-ups; a renamed feature's old name
     still selects it (here a name registered as an alias for the test)."""
     from megatron_ckpt_fixes import FEATURES, FIXES, SPEEDUPS
-    from megatron_ckpt_fixes.features import BY_NAME
+    from megatron_ckpt_fixes.core.features import BY_NAME
 
     assert parse_features("fixes") == FIXES and not set(FIXES) & set(SPEEDUPS)
     assert set(FEATURES) - set(FIXES) == {"writer_threads", "write_results", "writeback"}

@@ -15,7 +15,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from megatron_ckpt_fixes import async_worker
+from megatron_ckpt_fixes.fixes import async_worker
 
 pytestmark = pytest.mark.varies_with("python")
 

@@ -27,7 +27,7 @@ import xxhash
 from ckpt_files import change_bytes
 
 import megatron_ckpt_fixes
-from megatron_ckpt_fixes.testing import init_test_group
+from megatron_ckpt_fixes._dev.testing import init_test_group
 
 pytestmark = pytest.mark.varies_with("megatron-core", "torch")
 
@@ -184,7 +184,7 @@ def test_a_record_from_before_file_checksums_loads_with_items_checked(saved, tmp
 
 
 def test_verify_counts_and_names_the_files(saved, tmp_path):
-    from megatron_ckpt_fixes.cli.checks import verify
+    from megatron_ckpt_fixes.tools.cli.checks import verify
 
     report = verify(str(saved))
     assert not report.problems and report.checksums.files == len(_record(saved)["whole_files"])
@@ -216,7 +216,7 @@ def test_megatron_cores_own_edit_of_metadata_keeps_loading(saved, tmp_path):
 
 
 def test_verify_of_an_unreadable_metadata_says_it_is_not_what_was_saved(saved, tmp_path):
-    from megatron_ckpt_fixes.cli.checks import Unverifiable, verify
+    from megatron_ckpt_fixes.tools.cli.checks import Unverifiable, verify
 
     path = _copy(saved, tmp_path)
     data = (path / ".metadata").read_bytes()

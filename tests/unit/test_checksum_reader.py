@@ -25,8 +25,8 @@ from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.filesystem import FileSystem
 
 import megatron_ckpt_fixes
-from megatron_ckpt_fixes.checksums import SIDECAR
-from megatron_ckpt_fixes.checksums.reader import ItemChecksumError
+from megatron_ckpt_fixes.fixes.checksums import SIDECAR
+from megatron_ckpt_fixes.fixes.checksums.reader import ItemChecksumError
 
 W = torch.arange(50_000, dtype=torch.float32)  # large: the item is a torch.save archive of it
 
@@ -152,7 +152,7 @@ def test_the_upstream_reader_deserializes_a_read_that_went_wrong(saved, clean_in
 
 
 def test_without_a_record_the_load_is_unchecked_with_one_info_line(saved, checksums, caplog):
-    with caplog.at_level(logging.INFO, logger="megatron_ckpt_fixes.checksums.reader"):
+    with caplog.at_level(logging.INFO, logger="megatron_ckpt_fixes.fixes.checksums.reader"):
         assert torch.equal(_load(saved / "plain"), W)
     lines = [r.getMessage() for r in caplog.records]
     assert lines == [f"loading {saved / 'plain'} without checking its bytes: no checksum "
@@ -162,7 +162,7 @@ def test_without_a_record_the_load_is_unchecked_with_one_info_line(saved, checks
 def test_a_record_of_another_save_is_not_used(saved, tmp_path, checksums, caplog):
     path = shutil.copytree(saved / "plain", tmp_path / "plain")
     shutil.copy(saved / "ckpt" / SIDECAR, path / SIDECAR)  # left by an earlier save
-    with caplog.at_level(logging.INFO, logger="megatron_ckpt_fixes.checksums.reader"):
+    with caplog.at_level(logging.INFO, logger="megatron_ckpt_fixes.fixes.checksums.reader"):
         assert torch.equal(_load(path), W)
     assert [r.getMessage() for r in caplog.records] == [
         f"loading {path} without checking its bytes: {SIDECAR} belongs to another save of "

@@ -19,16 +19,16 @@ from torch.distributed.checkpoint.metadata import MetadataIndex
 from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from megatron_ckpt_fixes.checksums.algorithms import ALGORITHMS, DEFAULT, checksum_of_range
-from megatron_ckpt_fixes.checksums.hashing import CHUNK, ItemTap
-from megatron_ckpt_fixes.checksums.record import (
+from megatron_ckpt_fixes.fixes.checksums.algorithms import ALGORITHMS, DEFAULT, checksum_of_range
+from megatron_ckpt_fixes.fixes.checksums.hashing import CHUNK, ItemTap
+from megatron_ckpt_fixes.fixes.checksums.record import (
     ChecksumRecord,
     Item,
     RecordError,
     check_items,
     share,
 )
-from megatron_ckpt_fixes.checksums.writer import (
+from megatron_ckpt_fixes.fixes.checksums.writer import (
     BUFFER_LIMIT,
     CHECKSUM_ATTR,
     checksummed_write_item,
@@ -287,7 +287,7 @@ def test_a_record_from_before_file_checksums_still_reads():
 
 @pytest.mark.varies_with()
 def test_a_whole_file_is_judged_by_its_bytes(tmp_path):
-    from megatron_ckpt_fixes.checksums.files import (
+    from megatron_ckpt_fixes.fixes.checksums.files import (
         FileChecksumError,
         check_file,
         check_files,
@@ -314,7 +314,7 @@ def test_a_record_changed_in_place_is_read_again(tmp_path):
     """Parsed once per load, but never served from memory once its file changed."""
     import os
 
-    from megatron_ckpt_fixes.checksums.record import SIDECAR, read_record, write_record
+    from megatron_ckpt_fixes.fixes.checksums.record import SIDECAR, read_record, write_record
 
     write_record(tmp_path, _record_with_files())
     assert read_record(tmp_path) is read_record(tmp_path)  # parsed once

@@ -33,8 +33,8 @@ from packaging.version import Version
 from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
 
 import megatron_ckpt_fixes
-from megatron_ckpt_fixes.checksums import SIDECAR
-from megatron_ckpt_fixes.cli import main, progress
+from megatron_ckpt_fixes.fixes.checksums import SIDECAR
+from megatron_ckpt_fixes.tools.cli import main, progress
 
 W = torch.arange(12.0).reshape(3, 4)
 
@@ -194,7 +194,7 @@ def test_help_does_not_import_torch():
     import subprocess
     import sys
 
-    code = ("import sys\nfrom megatron_ckpt_fixes.cli import main\ntry:\n    main(['--help'])\n"
+    code = ("import sys\nfrom megatron_ckpt_fixes.tools.cli import main\ntry:\n    main(['--help'])\n"
             "except SystemExit:\n    pass\nprint(sorted(m for m in sys.modules if m == 'torch' "
             "or m.startswith('torch.')))")
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,

@@ -13,8 +13,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor
 from torch.distributed.tensor.placement_types import Partial, Replicate, Shard, _StridedShard
 
 from megatron_ckpt_fixes.dtensor import PlacementError
-from megatron_ckpt_fixes.dtensor.mcore.layout import mesh_shard, sharded_tensor_fields
-from megatron_ckpt_fixes.structure.integrity import chunk_exact_problems, problems_of_my_keys
+from megatron_ckpt_fixes.integrations.mcore_dtensor.layout import mesh_shard, sharded_tensor_fields
+from megatron_ckpt_fixes.fixes.structure.integrity import chunk_exact_problems, problems_of_my_keys
 
 
 def _split(full: torch.Tensor, mesh_shape, coord, placements) -> torch.Tensor:

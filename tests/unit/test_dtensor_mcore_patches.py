@@ -19,9 +19,9 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import Partial
 
-from megatron_ckpt_fixes.dtensor.mcore import DTensorShardingError
-from megatron_ckpt_fixes.importers import bound_imports, name_aliases, renamed_imports
-from megatron_ckpt_fixes.errors import MegatronCkptFixesError
+from megatron_ckpt_fixes.integrations.mcore_dtensor import DTensorShardingError
+from megatron_ckpt_fixes.core.importers import bound_imports, name_aliases, renamed_imports
+from megatron_ckpt_fixes.core.errors import MegatronCkptFixesError
 
 _MC = "megatron.core"
 TP_IMPORTERS = {f"{_MC}.models.common.language_module.language_module",

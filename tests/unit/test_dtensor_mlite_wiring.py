@@ -20,7 +20,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from megatron_ckpt_fixes import SYSTEMS, UnsupportedVersionError
-from megatron_ckpt_fixes.dtensor import mlite
+from megatron_ckpt_fixes.integrations import mlite
 from megatron_ckpt_fixes.dtensor.errors import PlacementError
 from megatron_ckpt_fixes.dtensor.placements import (axes_of_lines, lines_through,
                                                     merge_param_sharding,

@@ -15,7 +15,7 @@ from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from megatron_ckpt_fixes import SYSTEMS, UnsupportedVersionError
-from megatron_ckpt_fixes.dtensor import nemo_automodel as nemo
+from megatron_ckpt_fixes.integrations import nemo_automodel as nemo
 from megatron_ckpt_fixes.dtensor.errors import PlacementError
 from megatron_ckpt_fixes.dtensor.placements import shape_from_reference
 

@@ -11,11 +11,13 @@ import torch
 from packaging.version import Version
 
 import megatron_ckpt_fixes
-from megatron_ckpt_fixes import FEATURES, OPTIONAL_FEATURES, UnsupportedVersionError, save_call
-from megatron_ckpt_fixes._patching import (_MISSING, EntryPoint, Layer, Patch, PatchSet, _raw,
+from megatron_ckpt_fixes import FEATURES, OPTIONAL_FEATURES, UnsupportedVersionError
+from megatron_ckpt_fixes.core import save_call
+from megatron_ckpt_fixes.core.patching import (_MISSING, EntryPoint, Layer, Patch, PatchSet, _raw,
                                            definer, resolve)
 from megatron_ckpt_fixes.compat import versions
-from megatron_ckpt_fixes.structure import cached_save
+from megatron_ckpt_fixes.core.features import BY_NAME
+from megatron_ckpt_fixes.fixes.structure import cached_save
 
 #: The megatron-core features: those of other systems (``SYSTEMS``) are applied only where
 #: their system is imported, and have their own tests through that system's code.
@@ -62,10 +64,9 @@ def test_install_is_idempotent(clean_install):
     assert _untouched(snap)
 
 
-def test_feature_names_are_module_paths_and_name_their_patches(clean_install):
+def test_features_are_registered_by_name_and_name_their_patches(clean_install):
     for feature in ALL_FEATURES:
-        module = sys.modules.get(f"megatron_ckpt_fixes.{feature}") or __import__(
-            f"megatron_ckpt_fixes.{feature}", fromlist=["PATCHES"])
+        module = resolve(f"megatron_ckpt_fixes.{BY_NAME[feature].module}")
         assert module.PATCHES and all(p.name.startswith(feature + ".")
                                       for p in module.PATCHES if p is not save_call.PATCH)
     names = clean_install.install(["compat.cpu"])
@@ -211,7 +212,7 @@ def test_install_is_all_or_nothing_when_applying_fails(clean_install, monkeypatc
 
     failing = Patch(name=last.name, target=last.target, attr=last.attr, build=broken,
                     why=last.why, not_needed=None)
-    module = resolve(f"megatron_ckpt_fixes.{core[-1]}")
+    module = resolve(f"megatron_ckpt_fixes.{BY_NAME[core[-1]].module}")
     monkeypatch.setattr(module, "PATCHES", (*module.PATCHES[:-1], failing))
     with pytest.raises(RuntimeError, match="cannot build"):
         clean_install.install(ALL_FEATURES)
@@ -325,7 +326,7 @@ def test_alias_that_no_longer_holds_the_original_is_refused(clean_install, monke
 
 def test_sentinel_decision_does_not_read_the_version(clean_install, monkeypatch):
     """The decision follows what upstream's state machine does, whatever version it claims."""
-    from megatron_ckpt_fixes.rerun.sentinel import upstream_emits_sentinel
+    from megatron_ckpt_fixes.fixes.rerun.sentinel import upstream_emits_sentinel
 
     expected = upstream_emits_sentinel() is None
     for claimed in ("0.16.1", "0.19.2"):
@@ -352,7 +353,7 @@ def test_cpu_standin_only_where_collectives_are_not_on_cuda(clean_install, monke
 
 
 def test_load_failures_are_attributed_to_the_rank_that_failed():
-    from megatron_ckpt_fixes.load_errors import attribute
+    from megatron_ckpt_fixes.fixes.load_errors import attribute
 
     gathered = {0: "missing a/shard_0_2", 1: "missing a/shard_1_2"}
     assert attribute({0: gathered, 1: dict(gathered)}) == gathered  # collective load (0.16)

@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from megatron_ckpt_fixes import load_casts
+from megatron_ckpt_fixes.fixes import load_casts
 
 pytestmark = pytest.mark.varies_with("torch")
 

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 from megatron.core.dist_checkpointing.mapping import LocalNonpersistentObject, ShardedObject
 
-from megatron_ckpt_fixes.megatron_lm.rng_state import (
+from megatron_ckpt_fixes.integrations.megatron_lm.rng_state import (
     Layout,
     _per_rank_get_rng_state,
     adapted,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ckpt_fixes.messages import LIMIT, shorten, shorten_line
+from megatron_ckpt_fixes.core.messages import LIMIT, shorten, shorten_line
 
 pytestmark = pytest.mark.varies_with()
 
@@ -32,7 +32,7 @@ def test_whatever_is_still_too_long_is_cut_with_a_count():
 def test_the_training_error_line_fits_with_its_prefix(capsys):
     """The prefix ``train.py: error on rank N: `` counts: a key list whose first keys are
     long (the first key depends on the run) once made the line 25 characters too long."""
-    from megatron_ckpt_fixes.training.loop import report_error
+    from megatron_ckpt_fixes._dev.training.loop import report_error
 
     long_keys = [f"decoder.layers.mlp.linear_fc1._extra_state/shard_0_{i}" + "x" * 200
                  for i in range(60)]

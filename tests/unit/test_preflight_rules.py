@@ -4,7 +4,7 @@ A request names a key, its global shape, dtype and the chunk this rank reads; th
 a ``.metadata``'s ``state_dict_metadata``. Each rule is checked against the wrong fix it
 catches: a check of key names only passes a shape change, a check of the global shape only
 passes a chunk the saved chunks do not hold, and a check that refuses every dtype change
-refuses a lossless widening (the load's own rules, :mod:`megatron_ckpt_fixes.load_casts`).
+refuses a lossless widening (the load's own rules, :mod:`megatron_ckpt_fixes.fixes.load_casts`).
 The record's rules (a plain torch DCP checkpoint, one process): required, it must exist, be
 this save's and cover every requested item; a whole file that differs from it always fails.
 """
@@ -20,8 +20,8 @@ from torch.distributed.checkpoint.metadata import (
     TensorStorageMetadata,
 )
 
-from megatron_ckpt_fixes.load_casts import ALLOW_ENV
-from megatron_ckpt_fixes.preflight.compare import CAST, LOAD, Request, findings, summary
+from megatron_ckpt_fixes.fixes.load_casts import ALLOW_ENV
+from megatron_ckpt_fixes.tools.preflight.compare import CAST, LOAD, Request, findings, summary
 
 pytestmark = pytest.mark.varies_with("torch")
 
@@ -126,8 +126,8 @@ def dcp_ckpt(tmp_path):
 def _record(ckpt, keys, save_id=None, metadata_checksum=None) -> None:
     from torch.distributed.checkpoint import FileSystemReader
 
-    from megatron_ckpt_fixes.checksums.files import read_back
-    from megatron_ckpt_fixes.checksums.record import (
+    from megatron_ckpt_fixes.fixes.checksums.files import read_back
+    from megatron_ckpt_fixes.fixes.checksums.record import (
         ChecksumRecord,
         items_of,
         save_id_of,
@@ -146,7 +146,7 @@ def _record(ckpt, keys, save_id=None, metadata_checksum=None) -> None:
 def _record_findings(ckpt, keys, required):
     from torch.distributed.checkpoint import FileSystemReader
 
-    from megatron_ckpt_fixes.preflight.records import record_findings
+    from megatron_ckpt_fixes.tools.preflight.records import record_findings
 
     status, files, found = record_findings(ckpt, FileSystemReader(str(ckpt)).read_metadata(),
                                            keys, required)

@@ -10,9 +10,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from megatron_ckpt_fixes.replicas.claims import TENSOR
-from megatron_ckpt_fixes.replicas.digest import tensor_digest, value_digest
-from megatron_ckpt_fixes.replicas.verdict import differing
+from megatron_ckpt_fixes.fixes.replicas.claims import TENSOR
+from megatron_ckpt_fixes.fixes.replicas.digest import tensor_digest, value_digest
+from megatron_ckpt_fixes.fixes.replicas.verdict import differing
 
 pytestmark = pytest.mark.varies_with("megatron-core", "torch")
 

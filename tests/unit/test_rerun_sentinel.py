@@ -6,8 +6,8 @@ import pytest
 from megatron.core.dist_checkpointing import ShardedObject
 from megatron.core.rerun_state_machine import RerunMode, RerunState, RerunStateMachine
 
-from megatron_ckpt_fixes.rerun import RERUN_STATE_KEY
-from megatron_ckpt_fixes.rerun.sentinel import upstream_emits_sentinel
+from megatron_ckpt_fixes.fixes.rerun import RERUN_STATE_KEY
+from megatron_ckpt_fixes.fixes.rerun.sentinel import upstream_emits_sentinel
 
 
 def _machine(mode=RerunMode.VALIDATE_RESULTS) -> RerunStateMachine:

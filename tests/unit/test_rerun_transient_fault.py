@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ckpt_fixes.rerun.transient_fault import upstream_skips_checkpoint
+from megatron_ckpt_fixes.fixes.rerun.transient_fault import upstream_skips_checkpoint
 
 STATES = ["NOT_RUNNING_YET", "RERUNNING_IN_PLACE", "WILL_RERUN_FROM_CHECKPOINT",
           "RERUNNING_FROM_CHECKPOINT", "RERUNNING_AGAIN_FROM_CHECKPOINT"]

@@ -11,9 +11,9 @@ import psutil
 import torch
 import torch.multiprocessing as mp
 
-from megatron_ckpt_fixes import _after_import
+from megatron_ckpt_fixes.core import after_import as _after_import
 from megatron_ckpt_fixes.activation import ENV, TRIGGER
-from megatron_ckpt_fixes.testing import RankResult, receive_result, run_ranks, send_result
+from megatron_ckpt_fixes._dev.testing import RankResult, receive_result, run_ranks, send_result
 
 
 def _seen(rank: int, world_size: int) -> dict:

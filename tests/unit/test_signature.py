@@ -6,7 +6,7 @@ import pytest
 import torch
 from megatron.core.dist_checkpointing import ShardedObject, ShardedTensor
 
-from megatron_ckpt_fixes.structure import compute_signature
+from megatron_ckpt_fixes.fixes.structure import compute_signature
 
 
 def _sd(**over):
@@ -68,7 +68,7 @@ def test_object_replica_and_shard_count_matter():
 
 
 def test_validation_keys_are_split_across_ranks_stably():
-    from megatron_ckpt_fixes.structure.integrity import key_owner
+    from megatron_ckpt_fixes.fixes.structure.integrity import key_owner
 
     keys = [f"layer{i}.weight" for i in range(1000)]
     owners = [key_owner(k, 4) for k in keys]

@@ -18,9 +18,9 @@ import types
 import pytest
 import torch
 
-from megatron_ckpt_fixes import snapshot
-from megatron_ckpt_fixes.snapshot.arena import ArenaSet, exact_storages
-from megatron_ckpt_fixes.snapshot.staging import StagingPool
+from megatron_ckpt_fixes.fixes import snapshot
+from megatron_ckpt_fixes.fixes.snapshot.arena import ArenaSet, exact_storages
+from megatron_ckpt_fixes.fixes.snapshot.staging import StagingPool
 
 ELEMENTS = 64
 _SAVES = itertools.count()
@@ -269,7 +269,7 @@ def test_an_older_request_type_passes_unchanged():
 def test_a_copy_is_exact_for_every_layout_it_meets():
     """The plain memory copy where the bytes are the values, torch's copy for views whose
     bytes are not (a transpose, a conjugate, a negative view)."""
-    from megatron_ckpt_fixes.snapshot.staging import Copies
+    from megatron_ckpt_fixes.fixes.snapshot.staging import Copies
 
     real = torch.arange(12, dtype=torch.float32).reshape(3, 4)
     complex_ = torch.arange(6, dtype=torch.float32) * (1 + 2j)
@@ -334,7 +334,7 @@ def test_the_copy_overlaps_the_hand_over_and_is_over_when_scheduling_returns(
 
 def test_a_failed_copy_raises_on_the_trainer_and_the_worker_writes_nothing(cpu_world,
                                                                           tmp_path):
-    from megatron_ckpt_fixes.snapshot.overlap import SnapshotCopyError
+    from megatron_ckpt_fixes.fixes.snapshot.overlap import SnapshotCopyError
 
     schedule, handed = _schedule(SlowPool(fail=True), run_preload=False)
     with pytest.raises(OSError, match="copy failed"):

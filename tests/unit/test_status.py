@@ -17,9 +17,9 @@ import pytest
 
 from megatron_ckpt_fixes import __version__
 from megatron_ckpt_fixes.activation import ENV
-from megatron_ckpt_fixes.cli import main as cli_main
-from megatron_ckpt_fixes.status import activation_line, not_applied, report
-from megatron_ckpt_fixes.verbosity import VERBOSE_ENV, hide_upstream_warnings, quiet_unless
+from megatron_ckpt_fixes.tools.cli import main as cli_main
+from megatron_ckpt_fixes.tools.status import activation_line, not_applied, report
+from megatron_ckpt_fixes.core.verbosity import VERBOSE_ENV, hide_upstream_warnings, quiet_unless
 
 MCORE = f"megatron-core {importlib.metadata.version('megatron-core')}"
 
@@ -50,7 +50,7 @@ def _shown(module: str, message: str = "note", category: type = UserWarning) -> 
 @pytest.mark.parametrize("module, hidden", [
     ("megatron.core.optimizer", True), ("megatron.core", True),
     ("megatron_fsdp.mixed_precision", True), ("transformer_engine.pytorch", True),
-    ("megatron_ckpt_fixes.training.loop", False), ("megatron.training.arguments", False),
+    ("megatron_ckpt_fixes._dev.training.loop", False), ("megatron.training.arguments", False),
     ("torch.distributed.checkpoint", False), ("megatron_core_other", False),
 ])
 def test_only_upstreams_warnings_are_hidden(module, hidden):

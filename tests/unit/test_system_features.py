@@ -25,11 +25,11 @@ from itertools import count
 import pytest
 
 import megatron_ckpt_fixes
-from megatron_ckpt_fixes import _after_import
-from megatron_ckpt_fixes._patching import Patch
+from megatron_ckpt_fixes.core import after_import as _after_import
+from megatron_ckpt_fixes.core.patching import Patch
 from megatron_ckpt_fixes.activation import arm, by_system, disarm
-from megatron_ckpt_fixes.errors import UnsupportedVersionError
-from megatron_ckpt_fixes.features import BY_NAME, FIX, Feature
+from megatron_ckpt_fixes.core.errors import UnsupportedVersionError
+from megatron_ckpt_fixes.core.features import BY_NAME, FIX, Feature
 
 _names = count()
 

@@ -146,7 +146,7 @@ def test_the_switch_keeps_torchs_crc32_in_the_writers_records(monkeypatch, value
     """For tooling that checks zip CRCs: opt-in, read when install() runs; the item's
     checksum is recorded either way, and installed() says why the CRC-32 stays."""
     import megatron_ckpt_fixes
-    from megatron_ckpt_fixes.checksums.writer import KEEP_CRC32_ENV
+    from megatron_ckpt_fixes.fixes.checksums.writer import KEEP_CRC32_ENV
 
     monkeypatch.setenv(KEEP_CRC32_ENV, value)
     megatron_ckpt_fixes.install(["compat.cpu", "checksums"])

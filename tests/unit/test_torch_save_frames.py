@@ -14,8 +14,8 @@ import io
 import pytest
 import torch
 
-from megatron_ckpt_fixes import torch_save_frames as frames
-from megatron_ckpt_fixes.checksums import writer
+from megatron_ckpt_fixes.speedups import torch_save_frames as frames
+from megatron_ckpt_fixes.fixes.checksums import writer
 
 
 def replay_allowed():
@@ -163,7 +163,7 @@ def test_megatron_cores_writer_replays_and_its_records_load_bitwise(numel):
     from torch.distributed.checkpoint.metadata import MetadataIndex
     from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
 
-    from megatron_ckpt_fixes.checksums.hashing import checksum_of
+    from megatron_ckpt_fixes.fixes.checksums.hashing import checksum_of
 
     frames._frames.clear()
     megatron_ckpt_fixes.install(["compat.cpu", "checksums", "torch_save_frames"])

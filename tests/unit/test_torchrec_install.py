@@ -2,7 +2,7 @@
 
 ``scripts/install_torchrec_cpu.sh`` picks the torchrec / fbgemm-gpu-cpu pair from FBGEMM's own
 compatibility table (``scripts/torchrec_pair.py``); a mismatched FBGEMM makes ``import
-torchrec`` fail with a linker error, which ``megatron_ckpt_fixes.reshard.torchrec_dmp``'s
+torchrec`` fail with a linker error, which ``megatron_ckpt_fixes.integrations.torchrec``'s
 import turns into one line naming both versions. Needs TorchRec
 (``scripts/install_torchrec_cpu.sh``) and the package registry (the mismatched FBGEMM is
 installed beside this environment, ``pip install --no-deps --target``).
@@ -97,7 +97,7 @@ def test_a_mismatched_fbgemm_is_one_error_naming_both_versions(beside):
     assert "undefined symbol" in upstream.stderr, upstream.stderr[-3000:]
     assert "FBGEMM_GPU version is" in upstream.stderr  # FBGEMM's multi-line warnings
 
-    fixed = run("import megatron_ckpt_fixes.reshard.torchrec_dmp")
+    fixed = run("import megatron_ckpt_fixes.integrations.torchrec")
     assert fixed.returncode == 1
     last = fixed.stderr.strip().splitlines()[-1]
     torch = version("torch")

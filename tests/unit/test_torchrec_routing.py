@@ -17,7 +17,7 @@ from torchrec import KeyedJaggedTensor
 from torchrec.distributed.embedding_sharding import bucketize_kjt_before_all2all
 
 from megatron_ckpt_fixes.reshard import BlockOwnership
-from megatron_ckpt_fixes.reshard.torchrec_dmp import TorchRecRouting
+from megatron_ckpt_fixes.integrations.torchrec import TorchRecRouting
 
 pytestmark = pytest.mark.varies_with("torch", "python", "torchrec")
 

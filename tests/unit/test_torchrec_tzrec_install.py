@@ -21,8 +21,8 @@ import torch
 import tzrec_harness
 from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-from megatron_ckpt_fixes.errors import UnsupportedVersionError
-from megatron_ckpt_fixes.reshard import tzrec as feature
+from megatron_ckpt_fixes.core.errors import UnsupportedVersionError
+from megatron_ckpt_fixes.integrations import tzrec as feature
 
 pytestmark = pytest.mark.varies_with("torch", "python", "torchrec", "tzrec")
 

@@ -16,10 +16,10 @@ from megatron.core.dist_checkpointing.strategies.fully_parallel import (
 )
 from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
 
-from megatron_ckpt_fixes.training import strategies
-from megatron_ckpt_fixes.training.args import build_parser, layout_problem, parse_args
-from megatron_ckpt_fixes.training.errors import ConfigError
-from megatron_ckpt_fixes.training.strategies import (
+from megatron_ckpt_fixes._dev.training import strategies
+from megatron_ckpt_fixes._dev.training.args import build_parser, layout_problem, parse_args
+from megatron_ckpt_fixes._dev.training.errors import ConfigError
+from megatron_ckpt_fixes._dev.training.strategies import (
     CheckpointingContext,
     StrategyOptions,
     save_strategy,

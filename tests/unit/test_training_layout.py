@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from megatron_ckpt_fixes.training import layout
+from megatron_ckpt_fixes._dev.training import layout
 
 pytestmark = pytest.mark.varies_with()
 

@@ -1,5 +1,5 @@
 """Each large item of a checkpoint file is handed to the disk once it is in the file
-(megatron_ckpt_fixes.writeback), through megatron-core's own writer on one gloo rank.
+(megatron_ckpt_fixes.speedups.writeback), through megatron-core's own writer on one gloo rank.
 
 What it must not do, and is checked: hint a range the file does not hold yet (bytes still in
 the stream's buffer), miss an item's bytes, or spend a call on small items; every checkpoint
@@ -16,7 +16,7 @@ import os
 import pytest
 import torch
 
-from megatron_ckpt_fixes import writeback
+from megatron_ckpt_fixes.speedups import writeback
 
 LARGE = 1 << 20  # float32 elements: 4 MiB
 

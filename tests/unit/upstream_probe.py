@@ -15,7 +15,7 @@ logging.disable(logging.WARNING)
 
 def main() -> None:
     import megatron_ckpt_fixes
-    from megatron_ckpt_fixes._patching import not_needed_reason, requirement_problems
+    from megatron_ckpt_fixes.core.patching import not_needed_reason, requirement_problems
 
     patches = {}
     core = [f for f in megatron_ckpt_fixes.FEATURES + megatron_ckpt_fixes.OPTIONAL_FEATURES

@@ -103,7 +103,7 @@ def install() -> None:
     kill, dump = os.environ.get(KILL_DURING_SAVE_ENV), os.environ.get(DUMP_STATE_ENV)
     if kill is None and dump is None:
         return
-    from megatron_ckpt_fixes.training import checkpointing, loop
+    from megatron_ckpt_fixes._dev.training import checkpointing, loop
 
     if kill is not None:
         checkpointing.Checkpointer._execute = _kill_in(checkpointing.Checkpointer._execute,

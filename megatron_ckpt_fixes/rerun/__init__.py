@@ -1,7 +1,0 @@
-"""Rerun state machine checkpointing: the always-present sentinel ShardedObject
-(:mod:`.sentinel`), the determinism-stats report (:mod:`.stats_report`), and no checkpoint
-after a transient fault (:mod:`.transient_fault`)."""
-
-from .sentinel import RERUN_STATE_KEY
-
-__all__ = ["RERUN_STATE_KEY"]
