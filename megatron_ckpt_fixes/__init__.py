@@ -47,6 +47,8 @@ FEATURES: tuple[str, ...] = (
     "rerun.stats_report",
     "rerun.transient_fault",
     "load_errors",
+    "common_merge",
+    "dp_reshardable_step",
     "async_worker",
     "compat.rerun_device",
     "dtensor.mcore",
