@@ -37,6 +37,7 @@ from .errors import MegatronCkptFixesError
 from .messages import shorten
 from .newer_checkpoint import PREFIX as NEWER_WRITER
 from .newer_checkpoint import newer_writer_reason
+from .rerun import relaunch_bound
 
 _HINTS = {
     "Missing key in checkpoint state_dict": "the checkpoint has no entry for this key: it was "
@@ -221,6 +222,8 @@ def clear_load_errors(original: Callable[..., Any]) -> Callable[..., Any]:
             return load_error_type(upstream)(checkpoint_dir, causes, failures)
 
         agree(False, report, f"loading {checkpoint_dir}", raise_as=raise_as)
+        # The checkpoint a relaunch resumed from: where rerun/relaunch_bound.py counts.
+        relaunch_bound.note_loaded(checkpoint_dir)
         if logging_strict is not None:
             result = strictness.report(checkpoint_dir, logging_strict, result)
         return result
