@@ -14,7 +14,8 @@ The patched load keeps the load as asked (a logging strictness is a choice: the 
 are dropped, the same values loaded) but asks upstream to return the mismatches instead of
 logging them (``RETURN_UNEXPECTED`` / ``RETURN_ALL``, the same checks), gathers them, and
 every rank logs the same one line naming the keys left unloaded and the ranks that asked
-for each. Where loading every requested key was asked for, the same keys are refused before
+for each, in upstream's words ("Unexpected keys", "Missing keys": what logs are searched
+for, and what megatron-core's own tests read). Where loading every requested key was asked for, the same keys are refused before
 any tensor data is read: the pre-flight (:mod:`.preflight`) and scripts/train.py's
 ``--ckpt-verify-checksums``, which runs it.
 """
@@ -99,14 +100,15 @@ def line(checkpoint_dir: Any, strict: Any, unloaded: Unloaded) -> str | None:
     parts = []
     if unloaded.requested:
         keys = [f"{key!r} ({_ranks(ranks)})" for key, ranks in unloaded.requested.items()]
-        parts.append(f"left {len(keys)} requested key(s) unloaded, not in the checkpoint (they "
-                     f"keep the values they had before the load): {_named(keys)}")
+        parts.append(f"Unexpected keys (requested, not in the checkpoint: left unloaded, they keep "
+                     f"the values they had before the load): {len(keys)}: {_named(keys)}")
     if unloaded.not_requested:
         keys = [repr(key) for key in unloaded.not_requested]
-        parts.append(f"{len(keys)} key(s) of the checkpoint were not requested: {_named(keys)}")
+        parts.append(f"Missing keys (in the checkpoint, not requested): {len(keys)}: "
+                     f"{_named(keys)}")
     if not parts:
         return None
-    return (f"megatron_ckpt_fixes: loading {checkpoint_dir} with strict={strict.value} "
+    return (f"megatron_ckpt_fixes: loading {checkpoint_dir} with strict={strict.value}: "
             + "; ".join(parts))
 
 

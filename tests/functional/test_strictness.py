@@ -22,8 +22,9 @@ from megatron_ckpt_fixes.testing import run_ranks
 pytestmark = pytest.mark.varies_with("megatron-core")
 
 WS = 2
-UNLOADED = ("left 2 requested key(s) unloaded, not in the checkpoint (they keep the values "
-            "they had before the load): 'model.expert.1' (rank 1), 'model.new' (ranks 0, 1)")
+UNLOADED = ("Unexpected keys (requested, not in the checkpoint: left unloaded, they keep the "
+            "values they had before the load): 2: 'model.expert.1' (rank 1), 'model.new' "
+            "(ranks 0, 1)")
 
 
 @pytest.fixture(scope="module")
@@ -45,12 +46,12 @@ def test_one_agreed_line_names_every_key_left_unloaded(ranks, strict, tmp_path_f
     lines = [r["fixed"][strict]["lines"] for r in ranks]
     assert lines[0] == lines[1] and len(lines[0]) == 1, lines
     line = lines[0][0]
-    assert f"with strict={strict} {UNLOADED}" in line, line
+    assert f"with strict={strict}: {UNLOADED}" in line, line
     if strict == "log_all":
-        assert line.endswith("; 1 key(s) of the checkpoint were not requested: "
+        assert line.endswith("; Missing keys (in the checkpoint, not requested): 1: "
                              "'model.only_saved'"), line
     else:
-        assert "not requested" not in line  # log_unexpected does not look for them
+        assert "Missing keys" not in line  # log_unexpected does not look for them
 
 
 @pytest.mark.parametrize("strict", STRICT)
