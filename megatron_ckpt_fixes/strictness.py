@@ -2,22 +2,21 @@
 on every rank.
 
 ``dist_checkpointing.load(..., strict=LOG_UNEXPECTED or LOG_ALL)`` (Megatron-LM's
-``--dist-ckpt-strictness``; Megatron-Bridge recipes set ``log_all``) drops every requested
-key the checkpoint does not hold from the load and goes on: those tensors keep the values
-they had before the load (a fresh initialization, on a resume). Each rank logs its own
-keys, in its own words, and only the ranks that asked for such a key say anything; a
-caller that then retries its module load non-strictly (Megatron-Bridge PR 6032) resumes
-"successfully" with those weights freshly initialized, and one warning on some rank is all
-that is left of it.
+``--dist-ckpt-strictness``; Megatron-Bridge recipes set ``log_all``) drops every requested key
+the checkpoint does not hold from the load and goes on: those tensors keep the values they had
+before the load (a fresh initialization, on a resume). Each rank logs its own keys, in its
+own words, and only the ranks that asked for such a key say anything; a caller that then
+retries its module load non-strictly (Megatron-Bridge PR 6032) resumes "successfully" with
+those weights freshly initialized, and one warning on some rank is all that is left of it.
 
 The patched load keeps the load as asked (a logging strictness is a choice: the same keys
 are dropped, the same values loaded) but asks upstream to return the mismatches instead of
 logging them (``RETURN_UNEXPECTED`` / ``RETURN_ALL``, the same checks), gathers them, and
-every rank logs the same one line naming the keys left unloaded and the ranks that asked
-for each, in upstream's words ("Unexpected keys", "Missing keys": what logs are searched
-for, and what megatron-core's own tests read). Where loading every requested key was asked for, the same keys are refused before
-any tensor data is read: the pre-flight (:mod:`.preflight`) and scripts/train.py's
-``--ckpt-verify-checksums``, which runs it.
+every rank logs the same one line naming the keys left unloaded and the ranks that asked for
+each, in upstream's words ("Unexpected keys", "Missing keys": what logs are searched for,
+and what megatron-core's own tests read). Where loading every requested key was asked for,
+the same keys are refused before any tensor data is read: the pre-flight (:mod:`.preflight`)
+and scripts/train.py's ``--ckpt-verify-checksums``, which runs it.
 """
 
 from __future__ import annotations

@@ -5,26 +5,26 @@ checkpoint and exit 16 (resume to disambiguate: rerun this step on another GPU),
 relaunch that lands on the same GPU exits 16 again without a checkpoint. Neither answer
 knows how often it was given before: a job whose checkpoint reproduces its fault (a corrupt
 replica-retrieved local checkpoint that NaNs three steps after the load, Megatron-LM issue
-5281), or whose launcher returns the same GPUs by construction (an in-job restart), loads the
-same checkpoint, reaches the same fault and exits 16, forever (44 identical cycles before
-someone cancelled the job).
+5281), or whose launcher returns the same GPUs by construction (an in-job restart), loads
+the same checkpoint, reaches the same fault and exits 16, forever.
 
 The count lives beside the checkpoint the job resumed from (the last one
 ``dist_checkpointing.load`` read: :func:`note_loaded`), in :data:`RECORD` in its parent
 directory (the save directory), keyed by that checkpoint, the iteration (the machine's own
 count, ``#N`` as in its log lines) and the fault (the failed check's message): the same on
-every relaunch, whatever the rerun state the checkpoint holds. Rank 0 counts; every rank gets its count (one collective, only when the machine asks
-for exit 16, on every rank alike). Past :data:`LIMIT_ENV` (default :data:`DEFAULT_LIMIT`)
-relaunches of one fault from one checkpoint the answer becomes exit 17, upstream's "failed
-result validation", without a checkpoint, and rank 0 logs one line naming the iteration,
-the fault, the checkpoint and the count.
+every relaunch, whatever the rerun state the checkpoint holds. Rank 0 counts; every rank
+gets its count (one collective, only when the machine asks for exit 16, on every rank
+alike). Past :data:`LIMIT_ENV` (default :data:`DEFAULT_LIMIT`) relaunches of one fault from
+one checkpoint the answer becomes exit 17, upstream's "failed result validation", without a
+checkpoint, and rank 0 logs one line naming the iteration, the fault, the checkpoint and the
+count.
 
 Why 17 and not a new code: schedulers and Megatron-LM's launch scripts already read 16 as
 "relaunch" and 17 as "stop, a person has to look"; a code of our own would be an unknown
 failure to them, which many relaunch. The diagnosis is 17's too: the result is reproducible
-from this checkpoint, and the checkpoint the job resumed from still reproduces it.
-A job that never loaded a checkpoint, or whose save directory cannot be written, is not
-counted (upstream's answers, with one warning for the latter).
+from this checkpoint, and the checkpoint the job resumed from still reproduces it. A job
+that never loaded a checkpoint, or whose save directory cannot be written, is not counted
+(upstream's answers, with one warning for the latter).
 """
 
 from __future__ import annotations
