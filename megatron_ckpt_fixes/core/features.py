@@ -58,6 +58,8 @@ REGISTRY: tuple[Feature, ...] = (
     Feature("rerun.transient_fault", "fixes.rerun.transient_fault", FIX),
     Feature("load_errors", "fixes.load_errors", FIX),
     Feature("sharded_objects", "fixes.sharded_objects", FIX),
+    Feature("common_merge", "fixes.common_merge", FIX),
+    Feature("dp_reshardable_step", "fixes.dp_reshardable_step", FIX),
     Feature("async_worker", "fixes.async_worker", FIX),
     Feature("compat.rerun_device", "compat.rerun_device", SUPPORT),
     Feature("dtensor.mcore", "integrations.mcore_dtensor", FIX),

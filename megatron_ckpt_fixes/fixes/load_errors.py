@@ -28,7 +28,7 @@ from typing import Any, Callable
 
 from torch.distributed.checkpoint import CheckpointException
 
-from megatron_ckpt_fixes.fixes import load_casts
+from megatron_ckpt_fixes.fixes import load_casts, strictness
 from megatron_ckpt_fixes.core.patching import Patch
 from megatron_ckpt_fixes.core.agreement import agree, check, rank_and_size
 from megatron_ckpt_fixes.fixes.checksums.files import FileChecksumError
@@ -37,6 +37,7 @@ from megatron_ckpt_fixes.core.errors import MegatronCkptFixesError
 from megatron_ckpt_fixes.core.messages import shorten
 from megatron_ckpt_fixes.fixes.newer_checkpoint import PREFIX as NEWER_WRITER
 from megatron_ckpt_fixes.fixes.newer_checkpoint import newer_writer_reason
+from megatron_ckpt_fixes.fixes.rerun import relaunch_bound
 
 _HINTS = {
     "Missing key in checkpoint state_dict": "the checkpoint has no entry for this key: it was "
@@ -201,8 +202,12 @@ def clear_load_errors(original: Callable[..., Any]) -> Callable[..., Any]:
         report: tuple[str, dict[int, str]] | None = None
         failures: dict[int, Any] = {}
         result = None
+        # A logging strictness: the mismatches are returned, then logged as one agreed line
+        # on every rank (strictness.py) instead of upstream's per-rank warnings.
+        call_args, call_kwargs, logging_strict = strictness.as_returning(
+            original, (sharded_state_dict, checkpoint_dir, *args), kwargs)
         try:
-            result = original(sharded_state_dict, checkpoint_dir, *args, **kwargs)
+            result = original(*call_args, **call_kwargs)
         except (CheckpointException, Exception) as exc:  # noqa: BLE001 - agreed below
             causes, failures = _report(exc, rank)
             newer = newer_writer_reason(checkpoint_dir)
@@ -217,6 +222,10 @@ def clear_load_errors(original: Callable[..., Any]) -> Callable[..., Any]:
             return load_error_type(upstream)(checkpoint_dir, causes, failures)
 
         agree(False, report, f"loading {checkpoint_dir}", raise_as=raise_as)
+        # The checkpoint a relaunch resumed from: where rerun/relaunch_bound.py counts.
+        relaunch_bound.note_loaded(checkpoint_dir)
+        if logging_strict is not None:
+            result = strictness.report(checkpoint_dir, logging_strict, result)
         return result
 
     return load
@@ -257,7 +266,9 @@ PATCHES: tuple[Patch, ...] = (
                  "rank; a template that would round saved values is refused",
                  reads=("megatron.core.dist_checkpointing.dict_utils:nested_values",
                         "megatron.core.dist_checkpointing.mapping:ShardedTensor",
-                        "megatron.core.dist_checkpointing.core:CheckpointingException")),
+                        "megatron.core.dist_checkpointing.core:CheckpointingException",
+                        "megatron.core.dist_checkpointing.validation:StrictHandling",
+                        "megatron.core.dist_checkpointing.validation:parse_strict_flag")),
     _entry_point("load_common_state_dict", clear_newer_writer,
                  "reading the common state of a checkpoint a newer megatron-core wrote says so "
                  "in one line (the training flow reads it before the load)"),

@@ -17,6 +17,8 @@ upstream emits the rerun state machine's sentinel itself and the fault checkpoin
 
 from __future__ import annotations
 
+import re
+
 from training_runs import (
     COMMON,
     FAULT,
@@ -26,6 +28,7 @@ from training_runs import (
     run_job,
 )
 
+from megatron_ckpt_fixes.fixes.rerun import relaunch_bound
 from megatron_ckpt_fixes.fixes.rerun.sentinel import upstream_emits_sentinel
 from megatron_ckpt_fixes._dev.training import layout
 
@@ -87,15 +90,51 @@ def test_upstream_fault_checkpoint(tmp_path):
     assert all(r["rerun_state"] != "RERUNNING_FROM_CHECKPOINT" for r in job.log)
 
 
-def test_relaunch_on_the_same_device_is_asked_to_restart_again(tmp_path):
-    """Upstream's rule, kept on CPU: a rerun on the suspicious device proves nothing."""
-    ckpt = tmp_path / "ckpt"
-    job = run_job(tmp_path, _fault_job_args(ckpt), max_restarts=1, name="same-device",
-                  runner_args=("--same-device",))
+#: Relaunches one fault may ask for from one checkpoint in these tests (default 3).
+BOUND = {relaunch_bound.LIMIT_ENV: "1"}
+#: The fixes that make the fault checkpoint load on every release (the sentinel: upstream
+#: from 0.18) and run on CPU, without the relaunch bound.
+WITHOUT_BOUND = {"MEGATRON_CKPT_FIXES": "compat.cpu,compat.rerun_device,rerun.sentinel,"
+                                        "training.cpu_support", **BOUND}
 
-    assert job.exit_codes == [16, 16], job.output[-8000:]
+
+def test_relaunch_on_the_same_device_is_asked_to_restart_again(tmp_path):
+    """Upstream's rule, kept on CPU: a rerun on the suspicious device proves nothing; the
+    relaunch is asked for again, once (BOUND), and then the job stops with exit 17, one line
+    naming the iteration, the fault, the checkpoint and the count. A launcher that relaunches
+    every exit 16 (this one may, three times) no longer loops; the trivial wrong fix, exit 17
+    at the first exit 16 from a checkpoint, fails here: the one allowed relaunch happens."""
+    ckpt = tmp_path / "ckpt"
+    job = run_job(tmp_path, _fault_job_args(ckpt), max_restarts=3, name="same-device",
+                  runner_args=("--same-device",), env=BOUND)
+
+    assert job.exit_codes == [16, 16, 17], job.output[-8000:]
     assert "Got rescheduled on the same GPU" in job.output
     outcomes = [(r["rerun_state"], r["exit_code"]) for r in job.log if r["exit_code"] is not None]
-    assert outcomes == [("WILL_RERUN_FROM_CHECKPOINT", 16), ("RERUNNING_AGAIN_FROM_CHECKPOINT", 16)]
-    # The fault checkpoint stays for the next try.
+    assert outcomes == [("WILL_RERUN_FROM_CHECKPOINT", 16), ("RERUNNING_AGAIN_FROM_CHECKPOINT", 16),
+                        ("RERUNNING_AGAIN_FROM_CHECKPOINT", 17)]
+    fault_ckpt = layout.iteration_dir(ckpt, FAULT_STEP - 1)
+    gave_up = [line for line in job.output.splitlines() if "came back" in line]
+    assert len(gave_up) == 1, job.output[-8000:]
+    # the machine's iteration count, as its own lines give it ("at iteration #4")
+    assert re.search(rf"iteration #{FAULT_STEP - 1}: the fault 'found (NaN|Inf) in local "
+                     rf"forward loss calculation \(check #\d+\)' came back 2 times from "
+                     rf"{re.escape(str(fault_ckpt))} ", gave_up[0]), gave_up[0]
+    assert "exit 17, failed result validation, no checkpoint" in gave_up[0]
+    # The fault checkpoint stays, named by the tracker: it reproduces the fault.
     assert layout.read_tracker(ckpt) == FAULT_STEP - 1
+
+
+def test_upstream_relaunches_the_same_fault_forever(tmp_path):
+    """The twin: without the bound every relaunch loads the fault checkpoint, lands on the
+    same device and exits 16 again, until the runner gives up (a launcher that does not:
+    forever, Megatron-LM issue 5281)."""
+    ckpt = tmp_path / "ckpt"
+    job = run_job(tmp_path, [*_fault_job_args(ckpt), "--no-install"], max_restarts=3,
+                  name="same-device-upstream", runner_args=("--same-device",),
+                  env=WITHOUT_BOUND)
+
+    assert job.exit_codes == [16, 16, 16, 16], job.output[-8000:]
+    assert "giving up after 3 restarts" in job.output
+    assert [r["rerun_state"] for r in job.log if r["exit_code"] is not None][1:] == \
+        ["RERUNNING_AGAIN_FROM_CHECKPOINT"] * 3

@@ -41,9 +41,12 @@ def test_only_the_transient_fault_loses_its_checkpoint(single_rank_group, clean_
 
 
 def test_the_release_is_asked(single_rank_group, clean_install):
+    """The patch applies on every release (it also bounds the relaunches of one fault:
+    rerun/relaunch_bound.py); its transient rule changes an answer only where upstream still
+    asks for the checkpoint (0.16/0.17)."""
     needed = upstream_skips_checkpoint() is None
+    upstream = _answers("validate_results")["RERUNNING_IN_PLACE"]
+    assert upstream == ((True, True, 17) if needed else (False, True, 17))
     installed = clean_install.install(["rerun.transient_fault"])
-    assert ("rerun.transient_fault.should_checkpoint_and_exit" in installed) == needed
-    clean_install.uninstall()
-    if needed:  # 0.16/0.17: upstream asks for the checkpoint that cannot be resumed
-        assert _answers("validate_results")["RERUNNING_IN_PLACE"] == (True, True, 17)
+    assert "rerun.transient_fault.should_checkpoint_and_exit" in installed
+    assert _answers("validate_results")["RERUNNING_IN_PLACE"] == (False, True, 17)

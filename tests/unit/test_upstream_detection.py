@@ -30,8 +30,8 @@ STATS_REPORT = {"rerun.stats_report.filename", "rerun.stats_report.lineno"}
 THREADED_WRITER = {"writer_failures.threads.collection"}
 FORKED_WRITERS = {"writer_failures.processes.mp", "writer_failures.processes.multiproc",
                   "writer_threads.buckets"}
-#: No checkpoint after a transient fault: upstream from 0.18 (Megatron-LM PR 3981).
-TRANSIENT_FAULT = {"rerun.transient_fault.should_checkpoint_and_exit"}
+#: No checkpoint after a transient fault is upstream from 0.18 (Megatron-LM PR 3981); the
+#: patch still applies there: it also bounds the relaunches of one fault (every release).
 #: common.pt goes through the common-state strategy classes in 0.16, through module functions
 #: from 0.17 on (the common state is an item; a legacy common.pt only): the checksum patches
 #: of the other way do not apply.
@@ -42,8 +42,8 @@ LATER = FORKED_WRITERS | COMMON_BY_FUNCTIONS
 UPSTREAM_HAS = {
     "0.16.1": THREADED_WRITER | COMMON_BY_CLASSES,
     "0.17.1": LATER,
-    "0.18.2": SENTINEL | TRANSIENT_FAULT | LATER,
-    "0.19.2": SENTINEL | STATS_REPORT | TRANSIENT_FAULT | LATER,
+    "0.18.2": SENTINEL | LATER,
+    "0.19.2": SENTINEL | STATS_REPORT | LATER,
 }
 PROBE = Path(__file__).with_name("upstream_probe.py")
 

@@ -31,6 +31,11 @@ def _non_negative(text: str) -> int:
     return value
 
 
+#: ``--dist-ckpt-strictness`` values: megatron-core's ``StrictHandling`` (known here before it
+#: is imported) that give back the state dict alone (the ``return_*`` ones add the mismatches).
+STRICTNESS = ("assume_ok_unexpected", "log_unexpected", "log_all", "raise_unexpected",
+              "raise_all", "ignore_all")
+
 _positive.__name__ = "positive integer"
 _non_negative.__name__ = "non-negative integer"
 
@@ -84,6 +89,11 @@ def build_parser() -> argparse.ArgumentParser:
                            f"{layout.TRACKER_FILENAME}: a mistyped path, say) stops the job "
                            "(exit 2) instead of training from scratch; Megatron-LM's flag, "
                            "which there exits 0")
+    ckpt.add_argument("--dist-ckpt-strictness", default="assume_ok_unexpected",
+                      choices=STRICTNESS,
+                      help="how the load treats keys the model and the checkpoint do not share "
+                           "(Megatron-LM's flag; log_all: load what matches, log the rest, "
+                           "once on every rank)")
     ckpt.add_argument("--ckpt-verify-checksums", action="store_true",
                       help="before loading, check that the checkpoint holds every key this "
                            "model asks for (shape, chunk, dtype) and a checksum record of this "

@@ -79,6 +79,7 @@ class CheckpointOptions:
     load_optim: bool = True
     load_rng: bool = True
     verify_checksums: bool = False
+    strictness: str = "assume_ok_unexpected"  # --dist-ckpt-strictness
     require_checkpoint: bool = False  # --exit-on-missing-checkpoint
 
 
@@ -228,7 +229,8 @@ class Checkpointer:
         if self.options.verify_checksums:
             self._verify(template, ckpt)
         loaded = dist_checkpointing.load(template, ckpt,
-                                         load_strategy(self.options.strategy, self.context, ckpt))
+                                         load_strategy(self.options.strategy, self.context, ckpt),
+                                         strict=self.options.strictness)
         return run(lambda: self._restore(loaded, ckpt, model, optimizer, machine), what,
                    raise_as=CheckpointReadError)
 

@@ -96,6 +96,7 @@ def checkpoint_options(args: Any) -> CheckpointOptions:
     return CheckpointOptions(
         save=args.save, load=args.load, load_optim=not args.no_load_optim,
         load_rng=not args.no_load_rng, verify_checksums=args.ckpt_verify_checksums,
+        strictness=args.dist_ckpt_strictness,
         require_checkpoint=args.exit_on_missing_checkpoint,
         strategy=StrategyOptions(
             ckpt_format=args.ckpt_format,

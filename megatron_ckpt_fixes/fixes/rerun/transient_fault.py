@@ -16,6 +16,9 @@ every release resumes from. Whether upstream still asks is asked of upstream's o
 ``should_checkpoint_and_exit`` in ``RERUNNING_IN_PLACE`` (:func:`upstream_skips_checkpoint`).
 A checkpoint that plain 0.16 already saved after a transient fault stays unloadable, as on
 every release.
+
+The same answer is also bounded on every release: a checkpoint that brings the same fault
+back is relaunched (exit 16) a bounded number of times (:mod:`.relaunch_bound`).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from typing import Any, Callable
 from megatron_ckpt_fixes.core.patching import Patch
 from megatron_ckpt_fixes.core.agreement import rank_and_size
 from megatron_ckpt_fixes.compat.detect import probe_world, quiet
+from megatron_ckpt_fixes.fixes.rerun import relaunch_bound
 
 logger = logging.getLogger(__name__)
 
@@ -58,18 +62,22 @@ def upstream_skips_checkpoint() -> str | None:
 def no_checkpoint_after_transient_fault(original: Callable[..., Any]) -> Callable[..., Any]:
     from megatron.core.rerun_state_machine import RerunState
 
+    transient_rule = upstream_skips_checkpoint() is None  # asked of upstream's own method
+
     @functools.wraps(original)
     def should_checkpoint_and_exit(self: Any) -> tuple[bool, bool, int]:
         in_place = self.state == RerunState.RERUNNING_IN_PLACE
         checkpoint, exits, code = original(self)
-        if in_place and checkpoint and exits:
+        if transient_rule and in_place and checkpoint and exits:
             if rank_and_size()[0] == 0:
                 logger.warning("megatron_ckpt_fixes: no checkpoint after all: this one would "
                                "hold the rerun state RERUNNING_IN_PLACE, which no release can "
                                "resume from; the job can be resumed from the previous "
                                "checkpoint (exit code %d)", code)
             return False, exits, code
-        return checkpoint, exits, code
+        # Every release: exit 16 for the same fault from the same checkpoint a bounded
+        # number of times, then 17 (relaunch_bound.py).
+        return relaunch_bound.bounded(self, checkpoint, exits, code)
 
     setattr(should_checkpoint_and_exit, _UPSTREAM, original)
     return should_checkpoint_and_exit
@@ -82,9 +90,9 @@ PATCHES: tuple[Patch, ...] = (
         attr="should_checkpoint_and_exit",
         build=no_checkpoint_after_transient_fault,
         reads=(f"{_RSM}:RerunState",),
-        not_needed=upstream_skips_checkpoint,
-        why="after a transient fault (exit 17) no checkpoint is taken in RERUNNING_IN_PLACE, "
-            "which a relaunch cannot resume from (TypeError in _restore_state); the relaunch "
-            "resumes from the previous checkpoint, as in later releases",
+        why="after a transient fault (exit 17) no checkpoint is taken in RERUNNING_IN_PLACE "
+            "where upstream still takes one, which a relaunch cannot resume from (TypeError in "
+            "_restore_state); and a checkpoint that brings the same fault back is relaunched "
+            "(exit 16) a bounded number of times, then exit 17",
     ),
 )
