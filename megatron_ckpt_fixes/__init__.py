@@ -41,6 +41,7 @@ logger = logging.getLogger(__name__)
 #: upstream behaviour that runs on CPU/gloo, which the "upstream still fails" tests use.
 FEATURES: tuple[str, ...] = (
     "compat.cpu",
+    "compat.tensor_metadata",
     "structure",
     "replicas",
     "rerun.sentinel",
