@@ -176,5 +176,5 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_line(
             f"{NEW_ENV}={os.environ[NEW_ENV]} {WITHOUT_ENV}={os.environ.get(WITHOUT_ENV, '')}: "
             f"{len(modules)} test modules vary with nothing new here, or with a system this "
-            f"leg does not install, and were not collected (they run on leg 1): "
+            f"leg does not install, and were not collected (other legs run them: .ci/run): "
             f"{' '.join(sorted(modules))}")

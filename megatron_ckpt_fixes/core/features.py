@@ -51,6 +51,7 @@ class Feature:
 #: Every feature, in the order ``install()`` applies them.
 REGISTRY: tuple[Feature, ...] = (
     Feature("compat.cpu", "compat.cpu", SUPPORT),
+    Feature("compat.tensor_metadata", "compat.tensor_metadata", FIX),
     Feature("structure", "fixes.structure", FIX),
     Feature("replicas", "fixes.replicas", FIX),
     Feature("rerun.sentinel", "fixes.rerun.sentinel", FIX),

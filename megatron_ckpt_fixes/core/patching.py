@@ -273,6 +273,20 @@ def _definer_problems(patch: Patch, owner: Any, holder: Any, where: str) -> list
             f"the MRO): the patch replaces the method of {allowed}"]
 
 
+def upstream_releases() -> str:
+    """``megatron-core 0.19.2, torch 2.15.0``: the releases whose behaviour a refusal is
+    about (a patch reads torch's internals as well as megatron-core's)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    found = []
+    for name in ("megatron-core", "torch"):
+        try:
+            found.append(f"{name} {version(name)}")
+        except PackageNotFoundError:
+            found.append(f"no {name}")
+    return ", ".join(found)
+
+
 def not_needed_reason(patch: Patch) -> str | None:
     """Why upstream does not need ``patch`` here (detected), or None."""
     return patch.not_needed() if patch.not_needed is not None else None
@@ -345,8 +359,9 @@ class PatchSet:
                 plan.append(patch)
         if missing:
             raise UnsupportedVersionError(
-                "megatron_ckpt_fixes cannot install: the installed upstream lacks what "
-                f"{len(missing)} requirement(s) need; nothing was patched:\n  "
+                f"megatron_ckpt_fixes cannot install on {upstream_releases()}: the installed "
+                f"upstream lacks what {len(missing)} requirement(s) need; nothing was "
+                "patched:\n  "
                 + "\n  ".join(missing))
         done: list[str] = []
         try:

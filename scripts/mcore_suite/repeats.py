@@ -2,7 +2,7 @@
 """Compare repeated runs of the suite, setting aside the runs of a test that hit the suite's
 own shared-directory race.
 
-    python scripts/mcore_suite/repeats.py OUT1 OUT2 ... [--features compat.cpu --features all]
+    python scripts/mcore_suite/repeats.py OUT1 OUT2 ... [--features F1 --features all]
 
 Each OUT is a ``run.py --out`` directory holding one run per feature set. The suite's
 ``TempNamedDir(..., sync=False)`` (``tests/unit_tests/dist_checkpointing/__init__.py``) lets
@@ -27,6 +27,7 @@ from collections import defaultdict
 from pathlib import Path
 
 import compare
+from run import UPSTREAM
 
 #: a rank failed on the suite's shared checkpoint directory, created or emptied by rank 0
 #: while another rank's finalizer deleted it
@@ -58,9 +59,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("outs", nargs="+", type=Path)
     parser.add_argument("--features", action="append",
-                        help="feature sets to compare (default: compat.cpu, all)")
+                        help=f"feature sets to compare (default: {UPSTREAM}, all)")
     args = parser.parse_args(argv)
-    names = [f.replace(",", "+") for f in args.features or ["compat.cpu", "all"]]
+    names = [f.replace(",", "+") for f in args.features or [UPSTREAM, "all"]]
     per_set = {}
     for name in names:
         runs = [compare.load_run(out / name) for out in args.outs]

@@ -3,7 +3,7 @@
 megatron_ckpt_fixes, and compare the runs test by test.
 
     python scripts/mcore_suite/run.py --out /tmp/mcore-suite-0.16.1 [--ref core_v0.16.1] \\
-        [--nproc 8] [--features compat.cpu --features all] [-- tests...]
+        [--nproc 8] [--features compat.cpu,compat.tensor_metadata --features all] [-- tests...]
 
 The suite comes from the Megatron-LM snapshot REF (``scripts/upstream_snapshots.py``; default:
 the snapshot matching the installed megatron-core): its ``tests/unit_tests``, conftest files
@@ -83,6 +83,12 @@ def _free_ports(count: int) -> list[int]:
     return ports
 
 
+#: The baseline: plain upstream made runnable here, on gloo (``compat.cpu``) and on a torch
+#: whose tensor metadata megatron-core cannot read unaided (``compat.tensor_metadata``: torch
+#: 2.15's ``strides``; not applied where upstream reads it), so that a difference comes from
+#: the fixes. That fix's own twin is ``tests/unit/test_tensor_metadata.py``.
+UPSTREAM = "compat.cpu,compat.tensor_metadata"
+
 #: Exit code of a run that outlived ``--run-timeout`` (as ``timeout(1)`` says it).
 TIMED_OUT = 124
 
@@ -129,7 +135,7 @@ def main(argv: list[str] | None = None) -> int:
                         "core_v0.19.0, main; default: the installed megatron-core's)")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--features", action="append",
-                        help="MCF_FEATURES of a run (repeatable; default: compat.cpu, all); "
+                        help=f"MCF_FEATURES of a run (repeatable; default: {UPSTREAM}, all); "
                              "the first is the baseline")
     parser.add_argument("--nproc", type=int, default=1, help="ranks (torchrun when > 1)")
     parser.add_argument("--timeout", type=int, default=300, help="per-test timeout, seconds")
@@ -141,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("pytest_args", nargs="*",
                         help=f"tests and pytest options after -- (default: {DEFAULT_TESTS})")
     args = parser.parse_args(argv)
-    feature_sets = args.features or ["compat.cpu", "all"]
+    feature_sets = args.features or [UPSTREAM, "all"]
     # the ranks run in the copied suite's folder: a relative --out would land inside it
     args.out = args.out.resolve()
 

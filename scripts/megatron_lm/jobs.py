@@ -8,7 +8,8 @@ hardware would be. Each rank's output goes to ``<job>/logs/attempt_N/rank_K.log`
 ``LOG_DIR`` a case's ``AFTER_SCRIPT`` greps); the runner's own output stays short.
 
 The ranks get the CPU platform (``rank_env/``) and, with ``fixes=True``, the zero-code
-activation ``MEGATRON_CKPT_FIXES=1``; without it they run plain upstream.
+activation ``MEGATRON_CKPT_FIXES=1``; without it they run plain upstream, with only
+:data:`UPSTREAM_FEATURES`.
 
 The runner and its ranks are forks of a preloaded launcher (``scripts/zygote.py``) that
 imported torch, transformers and megatron-core (:data:`PRELOAD`); each rank arms the fixes'
@@ -31,6 +32,11 @@ RANK_ENV = HERE / "rank_env"
 sys.path.insert(0, str(REPO / "scripts"))
 import zygote  # noqa: E402
 ACTIVATION_ENV = "MEGATRON_CKPT_FIXES"
+#: What plain upstream runs with: megatron-core's reading of the tensor metadata of a torch
+#: that records a field ``torch.empty`` does not take (torch 2.15's ``strides``: every resume
+#: fails with a ``TypeError`` otherwise; not applied where upstream reads it), so that a twin
+#: shows upstream's own behaviour; that fix's twin is ``tests/unit/test_tensor_metadata.py``.
+UPSTREAM_FEATURES = "compat.tensor_metadata"
 
 #: Seconds a job (all its attempts) may take before it counts as hung.
 JOB_TIMEOUT_S = 420
@@ -116,8 +122,7 @@ def launch(tree: Path, name: str, directory: Path, argv: list[str], *, nproc: in
         "MCF_MLM_LOSS_LOG": str(losses),
         "MCF_MLM_SITES_DIR": str(directory / "cuda_sites"),
     })
-    if fixes:
-        job_env[ACTIVATION_ENV] = "1"
+    job_env[ACTIVATION_ENV] = "1" if fixes else UPSTREAM_FEATURES
     args = ["--fork-ranks", "--nproc-per-node", str(nproc), "--max-restarts", str(max_restarts),
             "--report", str(report), "--script", str(tree / "pretrain_gpt.py"), "--log-dir",
             str(directory / "logs"), "--", *argv]

@@ -87,7 +87,8 @@ def relaunch_after_transient_fault(tree: Path, ref: str, fixes: bool, out: Path,
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--upstream", action="store_true",
-                        help="plain megatron-core (MEGATRON_CKPT_FIXES unset)")
+                        help="plain megatron-core (MEGATRON_CKPT_FIXES=compat.tensor_metadata: "
+                             "jobs.UPSTREAM_FEATURES)")
     parser.add_argument("--out", type=Path,
                         default=Path(tempfile.gettempdir()) / "megatron_lm_relaunch")
     args = parser.parse_args(argv)

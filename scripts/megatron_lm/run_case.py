@@ -10,8 +10,9 @@ The case's ``model_config.yaml`` comes from the Megatron-LM snapshot that matche
 installed megatron-core (``scripts/upstream_snapshots.py``; ``--ref`` picks another). Its
 flags are adapted (:mod:`adapt`: every change printed), the fixes are switched on by the
 environment alone (``MEGATRON_CKPT_FIXES=1``; ``--upstream`` leaves them off: plain
-megatron-core on the same CPU platform), and ``--constant-structure`` adds
-``--ckpt-assume-constant-structure`` to every job. What runs, by the case's ``TEST_TYPE``:
+megatron-core on the same CPU platform, with ``jobs.UPSTREAM_FEATURES`` only), and
+``--constant-structure`` adds ``--ckpt-assume-constant-structure`` to every job. What runs,
+by the case's ``TEST_TYPE``:
 
 - ``regular``: the job, relaunched on exit 16 (up to 3 times, as CI's ``ft_launcher``); its
   ``AFTER_SCRIPT`` checks. When it ended on a fault (16/17), a ``continue`` job carries on
@@ -376,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("cases", nargs="+", help="case names (tests/functional_tests/"
                                                  "test_cases/gpt/<name>)")
     parser.add_argument("--upstream", action="store_true",
-                        help="plain megatron-core (MEGATRON_CKPT_FIXES unset)")
+                        help="plain megatron-core (MEGATRON_CKPT_FIXES=compat.tensor_metadata: "
+                             "jobs.UPSTREAM_FEATURES)")
     parser.add_argument("--constant-structure", action="store_true",
                         help=f"add {CONSTANT_STRUCTURE} to every job")
     parser.add_argument("--set", action="append", default=[], metavar="FLAG=VALUE",

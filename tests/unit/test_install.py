@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import sys
 import types
+from importlib.metadata import version
 
 import pytest
 import torch
@@ -132,6 +133,9 @@ def test_a_missing_upstream_symbol_is_named_and_nothing_is_patched(clean_install
     with pytest.raises(UnsupportedVersionError) as err:
         clean_install.install(ALL_FEATURES)
     assert text in str(err.value) and "nothing was patched" in str(err.value)
+    # the releases the refusal is about: the torch whose internals a patch reads, too
+    assert f"megatron-core {version('megatron-core')}, torch {version('torch')}:" \
+        in str(err.value)
     if isinstance(owner, type) and hasattr(owner, attr):  # a base still provides it
         assert "through the MRO" in str(err.value)
     assert clean_install.installed() == {}
