@@ -2,9 +2,9 @@
 
 ``install()`` puts every fix into the megatron-core entry points users already call
 (``dist_checkpointing.save`` / ``load``, the rerun state machine). Each feature is named in
-:mod:`.features` (a fix, a speed-up or CPU support, and whether it is on by default); its
-module declares what it replaces as data (``PATCHES``: :class:`~._patching.Patch`, or a
-:class:`~._patching.Layer` of an attribute several features wrap, :mod:`.entry_points`).
+:mod:`.core.features` (a fix, a speed-up or CPU support, and whether it is on by default); its
+module declares what it replaces as data (``PATCHES``: :class:`~.core.patching.Patch`, or a
+:class:`~.core.patching.Layer` of an attribute several features wrap, :mod:`.core.entry_points`).
 ``install()`` checks everything the chosen patches need from upstream before touching
 anything, then applies them all or none; patches whose fix upstream already has (detected
 from its behaviour) are not applied.
@@ -41,7 +41,7 @@ __all__ = ["FEATURES", "FIXES", "OPTIONAL_FEATURES", "SPEEDUPS", "SYSTEMS", "Meg
 
 logger = logging.getLogger(__name__)
 
-#: Features applied by ``install()`` without arguments, in this order (:mod:`.features` says
+#: Features applied by ``install()`` without arguments, in this order (:mod:`.core.features` says
 #: what each is). ``install(["compat.cpu"])`` gives plain upstream behaviour that runs on
 #: CPU/gloo, which the "upstream still fails" tests use.
 FEATURES: tuple[str, ...] = tuple(f.name for f in REGISTRY if f.default)
@@ -74,7 +74,7 @@ _not_applied: dict[str, str] = {}  # patch name -> why it waits or is not applie
 
 def feature_patches(feature: str) -> tuple[Declared, ...]:
     """The patches and layers a feature declares; each one's name starts with the feature's
-    name, but for the shared patch of the save in progress (:mod:`.save_call`)."""
+    name, but for the shared patch of the save in progress (:mod:`.core.save_call`)."""
     feature = canonical(feature)
     patches = importlib.import_module(f"{__name__}.{BY_NAME[feature].module}").PATCHES
     strays = [p.name for p in patches

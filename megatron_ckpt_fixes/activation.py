@@ -12,7 +12,7 @@ Megatron-LM users launch an unchanged ``pretrain_gpt.py``. Two switches, one mec
   (megatron-core's spawned async checkpoint worker, say) gets the same fixes, and arms the
   same hook in its own process before running the script.
 
-The hook never imports megatron-core itself: it waits (:mod:`._after_import`) until something
+The hook never imports megatron-core itself: it waits (:mod:`megatron_ckpt_fixes.core.after_import`) until something
 imports ``megatron.core``, lets that import finish, and then calls ``install(features)``.
 Features of other systems (MLite, NeMo Automodel, TorchEasyRec, Megatron-LM's training
 package: ``SYSTEMS``) wait the same way for their own package, so a job that never imports
@@ -21,7 +21,7 @@ none of them (a launcher such as torchrun, a tool, a data-loader worker) only pa
 importing this module; a training script has every fix in place before its first line that can reach a checkpoint entry
 point. A bad value is an error at the megatron-core import, where it matters, not a
 traceback in every interpreter; left uncaught there it is one line, not a traceback
-(:data:`~.verbosity.VERBOSE_ENV` for the traceback).
+(:data:`~megatron_ckpt_fixes.core.verbosity.VERBOSE_ENV` for the traceback).
 
 Once the fixes are in, rank 0's interpreter prints one line to stderr, where a user of
 ``pretrain_gpt.py`` sees it: the release patched, how many patches, and what was not applied

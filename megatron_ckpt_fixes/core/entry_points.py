@@ -1,6 +1,6 @@
 """The upstream attributes that more than one feature wraps, each patched once.
 
-Each is an :class:`~._patching.EntryPoint`: one patch, whose replacement runs the layers of
+Each is an :class:`~.patching.EntryPoint`: one patch, whose replacement runs the layers of
 the installed features in the order written here (outermost first). The order is what the
 features rely on; ``install()`` refuses a layer that is not listed.
 """
@@ -12,6 +12,7 @@ from megatron_ckpt_fixes.core.rehearsal import calls_during, write_one_item
 
 _FILESYSTEM_ASYNC = "megatron.core.dist_checkpointing.strategies.filesystem_async"
 _WRITER = f"{_FILESYSTEM_ASYNC}:FileSystemWriterAsync"
+
 
 def _write_item_problems() -> list[str]:
     """megatron-core's writer must call the module's ``_write_item`` for each item (watched

@@ -16,7 +16,7 @@ DCP as a DTensor on a checkpoint mesh (``_build_meshes``: dense ``[PP, DP, CP, T
   Shard(0)`` also catches ``hc_head.*``, which every tensor-parallel rank holds whole (a
   doubled global shape once TP > 1).
 
-The fix is the package's DTensor core (:mod:`.wrap`): the checkpoint layout wins where it
+The fix is the package's DTensor core (:mod:`megatron_ckpt_fixes.dtensor.wrap`): the checkpoint layout wins where it
 really shards (FSDP2's shard merged into the checkpoint axis that is its process group), the
 parameter keeps its own mesh where the checkpoint layout is unsharded (an empty FSDP2 shard
 is never materialized), and the global shape and stride are exact, agreed by every rank.
@@ -27,8 +27,8 @@ rank's local shape, and a collective per parameter would pair wrongly across pip
 stages, so the two per-parameter builders only record what they are given
 (:class:`PendingShard`), and the module's ``dcp`` becomes :class:`LayoutAwareDCP`, whose
 ``save``/``load`` turn all recorded shards into checkpoint DTensors with one
-:func:`~.wrap.wrap_state_dict` (one agreed gather; a bad layout on any rank is the same
-:class:`~.errors.LayoutAgreementError` on every rank) and then call torch's DCP. Loading
+:func:`~megatron_ckpt_fixes.dtensor.wrap.wrap_state_dict` (one agreed gather; a bad layout on any rank is the same
+:class:`~megatron_ckpt_fixes.dtensor.errors.LayoutAgreementError` on every rank) and then call torch's DCP. Loading
 writes into the recorded local tensors, which upstream then copies into the parameters.
 """
 
@@ -135,7 +135,7 @@ PROBE_MESH = Stub({"mesh": torch.arange(4).reshape(1, 2, 2, 1), "shape": (1, 2, 
 
 def builder_calls(dcp_module: Any) -> list[FromLocal]:
     """What upstream's ``_dcp_tensor_from_param`` passes to ``DTensor.from_local`` for an
-    FSDP2 expert shard (:mod:`.probe`): rank 0 holds rows 0:2 of a [3, 2] expert that FSDP2
+    FSDP2 expert shard (:mod:`megatron_ckpt_fixes.dtensor.probe`): rank 0 holds rows 0:2 of a [3, 2] expert that FSDP2
     shards unevenly over expert-dp ranks [0, 2]; the checkpoint key holds both EP ranks'
     experts, [6, 2], sharded over the EP axis of :data:`PROBE_MESH`."""
     local = torch.zeros(2, 2)

@@ -26,10 +26,10 @@ five places:
   ranks 2-3 for [4, 5, 12], and the load into the model fails with a size mismatch.
 
 The fixes are the package's DTensor core, wired in: expert ranges by torch's own rule
-(:func:`.placements.local_shape_and_offset`), placements moved by
-:func:`.transpose.transpose_placements` (``_StridedShard`` included), and every rebuilt
-DTensor from :func:`.wrap.from_local_checked` with a global shape derived from the tensor it
-came from (:func:`.placements.shape_from_reference`), checked on each rank. Gemma4 with EP
+(:func:`megatron_ckpt_fixes.dtensor.placements.local_shape_and_offset`), placements moved by
+:func:`megatron_ckpt_fixes.dtensor.transpose.transpose_placements` (``_StridedShard`` included), and every rebuilt
+DTensor from :func:`megatron_ckpt_fixes.dtensor.wrap.from_local_checked` with a global shape derived from the tensor it
+came from (:func:`megatron_ckpt_fixes.dtensor.placements.shape_from_reference`), checked on each rank. Gemma4 with EP
 off keeps its FSDP2 DTensors (each rank writes its own experts), and its
 ``router.per_expert_scale`` is sharded like the experts so ``from_hf``'s scaling stays on
 each rank's shard; the mixin's merged experts take their global shape from the per-expert
@@ -37,7 +37,7 @@ DTensors DCP loaded them into (:func:`merged_expert_shape`). No collective is ad
 shape comes from a DTensor that has it.
 
 Whether an upstream function already does the right thing is probed with stand-ins
-(:mod:`.probe`); a patch whose probe passes is not applied.
+(:mod:`megatron_ckpt_fixes.dtensor.probe`); a patch whose probe passes is not applied.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ Only the layout differs: the preload step is ``partial(preload_tensors, (checkpo
 thread_count, storage_plan))), ...)`` and CPU tensors travel, every save, in
 ``uncached_tensor_data`` (``(items, tensors)``; ``cached_tensor_data`` holds device tensors,
 which the preload step copies to the host). :func:`nvrx_layout` finds them; the copy, the
-staging buffers and their release are the package's (:func:`~.snapshot_request`).
+staging buffers and their release are the package's (:func:`~megatron_ckpt_fixes.fixes.snapshot.snapshot_request`).
 
 A feature of another system (``megatron_ckpt_fixes.SYSTEMS``): applied when
 nvidia-resiliency-ext is first imported, never where it is not installed (``installed()``

@@ -13,7 +13,7 @@ MCH state is left to the user).
 finds every managed-collision table of ``model`` and the entries of ``state_dict`` that hold
 its state -- by identity of memory, whatever the nesting: the MC buffers, the embedding
 weight rows and the fused optimizer's per-row state -- and loads each table with
-:func:`~.checkpoint.load_table`, which moves every entry and its rows to the rank that serves
+:func:`~megatron_ckpt_fixes.reshard.checkpoint.load_table`, which moves every entry and its rows to the rank that serves
 its id now. Everything else (dense layers, other tables, the iteration counter) loads
 through plain DCP. The saved ``_output_segments_tensor`` describes the saved layout and is
 not loaded, so the usual ``model.load_state_dict(state_dict["model"])`` afterwards passes
@@ -177,7 +177,7 @@ def load(state_dict: dict[str, Any], checkpoint_id: str, model: torch.nn.Module,
     model.state_dict(), "optim": model.fused_optimizer.state_dict()}``); its tensors are
     loaded in place. ``score``: the metadata column that decides eviction (lowest first) when
     a rank receives more ids than it has slots (tables without it evict the highest ids).
-    Returns a report per table. Raises :class:`~.errors.ReshardError` on every rank when a
+    Returns a report per table. Raises :class:`~megatron_ckpt_fixes.reshard.errors.ReshardError` on every rank when a
     table cannot be loaded (it is then left untouched). The buffers are written sorted and
     within the model's own segments, so the caller's ``model.load_state_dict`` afterwards
     passes TorchRec's ``validate_state`` (which re-sorts them; not repeated here, it costs a

@@ -20,8 +20,8 @@ rank's miss slot so that most unknown ids read a learned row, and with uneven pe
 With this feature ``restore_model`` does everything it did, except for the state of the
 model's DMP-sharded managed-collision collections: their MC buffers, their tables' embedding
 rows and the optimizer's per-row state of those rows. Before upstream's loads run, that
-state is loaded by :func:`~.torchrec_dmp.load` (every entry, with its rows, moves to the rank
-that serves its id) from a view of ``model/`` and ``optimizer/`` (:mod:`.view`), each key
+state is loaded by :func:`~megatron_ckpt_fixes.integrations.torchrec.load` (every entry, with its rows, moves to the rank
+that serves its id) from a view of ``model/`` and ``optimizer/`` (:mod:`megatron_ckpt_fixes.reshard.view`), each key
 read from the checkpoint key tzrec's own ``PartialLoadPlanner`` maps it to (parameter map
 and renames included). Upstream's own loads then run as before, with those tensors left out
 of its planner, and its slot redistribution is not asked for. What it does not find in the
@@ -100,7 +100,7 @@ def _saved_keys(cu: Any, state: dict[str, Any], path: str, param_map: str | None
 
 @dataclass(frozen=True)
 class _Plan:
-    """What one rank loads by value: the state for :func:`~.torchrec_dmp.load` (``{"model":
+    """What one rank loads by value: the state for :func:`~megatron_ckpt_fixes.integrations.torchrec.load` (``{"model":
     {key: tensor}, "optimizer": {flattened key: tensor}}``, the live tensors) and the parts of
     the view it reads them from."""
 

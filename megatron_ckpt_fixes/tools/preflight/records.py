@@ -1,9 +1,9 @@
 """The checksum record's part of the pre-flight: present, of this save, covering what is asked.
 
 Only metadata: the record itself, and the whole files it covers (``metadata.json``,
-``.metadata``, ``common.pt``: the small files every load reads first, :mod:`..checksums.files`)
+``.metadata``, ``common.pt``: the small files every load reads first, :mod:`megatron_ckpt_fixes.fixes.checksums.files`)
 re-hashed against it. No item's bytes are read here: that is the collective check that
-follows under ``--ckpt-verify-checksums`` (:mod:`..checksums.load`), or the load itself.
+follows under ``--ckpt-verify-checksums`` (:mod:`megatron_ckpt_fixes.fixes.checksums.load`), or the load itself.
 
 Required (``--ckpt-verify-checksums``): a record must exist and belong to this save, and
 every item of the requested keys must have a checksum, as :func:`..checksums.load.verify_checkpoint`
