@@ -12,8 +12,8 @@ mode, told by the directory's file system:
   worker: the whole process tree, reaped children included; summed over the ranks), and
   each feature alone (``install(["compat.cpu", F])``) against upstream, paired per round:
   ``snapshot`` against upstream's asynchronous save (it acts on asynchronous saves only),
-  the others against upstream's cached save; and the default features with the speed-ups
-  that are applied only when named, against the default;
+  the others against upstream's cached save; and against the default features, the fixes
+  without any speed-up and the default plus the speed-ups applied only when named;
 - disk: what a user on that disk sees, beside the disk's own spread (raw write+fsync
   min/median/max over the rounds), and verification from disk and from the page cache.
 
@@ -108,7 +108,7 @@ import torch
 import torch.distributed as dist
 from bench_cached_save import Spread, max_over_ranks, timed
 
-from megatron_ckpt_fixes import FEATURES, OPTIONAL_FEATURES, SPEEDUPS
+from megatron_ckpt_fixes import FEATURES, FIXES, OPTIONAL_FEATURES, SPEEDUPS
 from megatron_ckpt_fixes.speedups import writeback
 from megatron_ckpt_fixes._dev.testing import run_ranks
 
@@ -137,11 +137,14 @@ SAVES = {UPSTREAM: Setup(["compat.cpu"]), ALL: Setup(None),
 ALONE = ("structure", "snapshot", "checksums", "writeback", "writer_threads", "write_results",
          "writer_failures", "replicas")
 assert set(ALONE) <= set(FEATURES), set(ALONE) - set(FEATURES)
-#: The default features plus the speed-ups applied only when named, against the default.
+#: Against the default features: the fixes without any speed-up, and the default plus the
+#: speed-ups applied only when named.
+NO_SPEEDUPS = "fixes without speed-ups"
 OPT_IN = "all fixes + opt-in speed-ups"
 FEATURE_SAVES = {**{f"{f} alone": Setup(["compat.cpu", f], asynchronous=f == "snapshot",
                                         baseline=UPSTREAM_ASYNC if f == "snapshot" else UPSTREAM)
                     for f in ALONE},
+                 NO_SPEEDUPS: Setup(list(FIXES), baseline=ALL),
                  OPT_IN: Setup([*FEATURES, *OPTIONAL_SPEEDUPS], baseline=ALL)}
 TMPFS, DISK = "tmpfs", "disk"
 #: The default rounds of each mode: the disk's own spread needs more pairs to show a median.

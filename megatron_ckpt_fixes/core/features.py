@@ -86,7 +86,7 @@ REGISTRY: tuple[Feature, ...] = (
     Feature("item_stream", "speedups.item_stream", SPEEDUP, default=False,
             removed_by="torch defining the stream wrapper of _StorageWriterTransforms once, "
                        "at module level"),
-    Feature("torch_save_frames", "speedups.torch_save_frames", SPEEDUP, default=False,
+    Feature("torch_save_frames", "speedups.torch_save_frames", SPEEDUP,
             removed_by="torch DCP serializing a plain tensor item without torch.save's "
                        "per-item zip framing in Python"),
     Feature("training.cpu_support", "_dev.training.cpu_support", SUPPORT, default=False),

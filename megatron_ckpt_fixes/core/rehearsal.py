@@ -10,6 +10,7 @@ exactly, and the files go to a temporary directory.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import io
 import queue
@@ -49,6 +50,17 @@ def watching(owner: Any, attr: str, replacement: Callable[..., Any] | None = Non
 
     with replaced(owner, attr, watched):
         yield calls
+
+
+def as_rank_0() -> contextlib.AbstractContextManager:
+    """Where no process group is initialized, ``torch.distributed.get_rank()`` answers 0
+    within the block (upstream code asks it to name what it writes); with a group, the
+    group's rank answers, and nothing is replaced (no other thread can see a false rank)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return contextlib.nullcontext()
+    return replaced(dist, "get_rank", lambda *args, **kwargs: 0)
 
 
 def calls_during(owner: Any, attr: str, action: Callable[[], Any]) -> bool:
@@ -153,10 +165,9 @@ def metadata_reads() -> tuple[str, list[tuple[str, str]]]:
 
 def writer_save_call(results_queue: Any) -> tuple[Any, Any, list[Any]]:
     """What megatron-core's ``FileSystemWriterAsync.get_save_function_and_args`` hands its
-    strategy for one small tensor item and ``results_queue`` (this process standing for
-    rank 0): the save function, the preload step and the function's arguments."""
+    strategy for one small tensor item and ``results_queue`` (:func:`as_rank_0`): the save
+    function, the preload step and the function's arguments."""
     import torch
-    import torch.distributed as dist
     from megatron.core.dist_checkpointing.strategies.filesystem_async import (
         FileSystemWriterAsync)
     from torch.distributed.checkpoint.metadata import MetadataIndex
@@ -168,7 +179,7 @@ def writer_save_call(results_queue: Any) -> tuple[Any, Any, list[Any]]:
         writer.write_buckets = [(f"{directory}/rehearsal.distcp", "rehearsal",
                                  ([], [(item, torch.arange(4.0))]))]
         writer.results_queue = results_queue
-        with watching(dist, "get_rank", lambda *args, **kwargs: 0):
+        with as_rank_0():
             save, preload, args = writer.get_save_function_and_args()
     return save, preload, list(args)
 

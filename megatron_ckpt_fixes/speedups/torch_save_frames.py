@@ -1,5 +1,5 @@
-"""Speed-up, opt-in: torch.save's framing of a checksummed tensor item, recorded per layout and
-replayed.
+"""Speed-up, on by default: torch.save's framing of a checksummed tensor item, recorded per
+layout and replayed.
 
 torch DCP's ``_write_item`` serializes every tensor item with ``torch.save``: a pickle of the
 tensor's layout and a zip archive of five records around the storage's bytes, about 40
@@ -16,12 +16,14 @@ pieces and the storage's bytes, in torch's order, through the same stream: byte 
 ``torch.save`` writes, and the checksum is taken from those writes as before.
 
 Anything else is torch's own ``torch.save``: another thread, CRC-32 on, extra arguments, a
-subclass or a tensor with Python state, hooks or gradients, a quantized, sparse, conjugate
-or negative-bit tensor, an empty storage, ``torch.serialization.skip_data``; and any failure
-of this module's own logic before a byte is written. It reads torch's private serialization
-state (:data:`READS`): ``install()`` skips it, saying what is missing, where torch lacks one.
-Opt-in (``install([..., "torch_save_frames"])``, ``MEGATRON_CKPT_FIXES=1,torch_save_frames``):
-docs/benchmarks.md has what it saves.
+subclass or a tensor with Python state, gradients, a quantized, sparse, conjugate or
+negative-bit tensor, an empty storage; and any failure of this module's own logic before a
+byte is written. What a layout is made of is read through public interfaces only (the
+tensor's own methods, ``__getstate__`` as torch's pickling asks it, and
+``torch.utils.serialization.config``). One difference is accepted: under
+``torch.serialization.skip_data`` (whose state torch keeps private) a replayed item carries
+its bytes where torch would leave the space empty; megatron-core's writer never runs under
+it. ``MEGATRON_CKPT_FIXES=fixes`` leaves it out; docs/benchmarks.md has what it saves.
 """
 
 from __future__ import annotations
@@ -48,24 +50,26 @@ FLUSH = b""
 
 logger = logging.getLogger(__name__)
 
-#: torch's private names the layout check reads (each declared to ``install()``).
-READS = ("torch._utils:_get_obj_state", "torch._utils:get_tensor_metadata",
-         "torch.serialization:_serialization_tls", "torch.serialization:_get_storage_alignment")
+#: What the layout check reads besides the tensor (declared to ``install()``).
+READS = ("torch.utils.serialization.config:save.storage_alignment",)
 
 
 def layout_of(obj: Any) -> tuple | None:
-    """What torch's framing of ``obj`` depends on, or None where it may depend on more."""
+    """What torch's framing of ``obj`` depends on, or None where it may depend on more: the
+    pickle of a plain tensor holds its layout, plus its Python state (``__getstate__``, as
+    torch's ``_reduce_ex_internal`` asks it) and its conjugate and negative bits, which the
+    check excludes; the zip records' alignment is torch's public setting."""
+    from torch.utils.serialization import config
+
     if (type(obj) is not torch.Tensor or obj.device.type != "cpu"
             or obj.layout != torch.strided or obj.requires_grad or obj.is_quantized
-            or obj.is_conj() or obj.is_neg() or torch._utils._get_obj_state(obj)
-            or torch._utils.get_tensor_metadata(obj)
-            or torch.serialization._serialization_tls.skip_data):
+            or obj.is_conj() or obj.is_neg() or obj.__getstate__()):
         return None
     nbytes = obj.untyped_storage().nbytes()
     if not nbytes:
         return None
     return (obj.dtype, tuple(obj.shape), obj.stride(), obj.storage_offset(), nbytes,
-            torch.serialization._get_storage_alignment())
+            config.save.storage_alignment)
 
 
 def _address(view: memoryview) -> int:
@@ -164,15 +168,6 @@ def replaying_save(original: Callable[..., None]) -> Callable[..., None]:
     return save
 
 
-def _skip_data_problems() -> list[str]:
-    from torch.serialization import _serialization_tls
-
-    if isinstance(getattr(_serialization_tls, "skip_data", None), bool):
-        return []
-    return ["torch.serialization._serialization_tls has no skip_data flag: a save under "
-            "torch.serialization.skip_data could be replayed with data"]
-
-
 PATCHES: tuple[Patch, ...] = (
     Patch(
         name="torch_save_frames.save",
@@ -180,7 +175,6 @@ PATCHES: tuple[Patch, ...] = (
         attr="save",
         build=replaying_save,
         reads=READS,
-        probes=(_skip_data_problems,),
         not_needed=crc32_kept,
         optional=True,  # a speed-up: where it cannot be applied, torch.save is torch's
         why="inside the records the checksums feature writes, torch.save's framing of a "

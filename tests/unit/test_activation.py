@@ -133,7 +133,8 @@ def test_old_names_and_the_fixes_alone_are_values_of_the_switch(monkeypatch):
     from megatron_ckpt_fixes.core.features import BY_NAME
 
     assert parse_features("fixes") == FIXES and not set(FIXES) & set(SPEEDUPS)
-    assert set(FEATURES) - set(FIXES) == {"writer_threads", "write_results", "writeback"}
+    assert set(FEATURES) - set(FIXES) == {"writer_threads", "write_results", "writeback",
+                                          "torch_save_frames"}
     monkeypatch.setitem(BY_NAME, "old_structure_name", BY_NAME["structure"])
     assert parse_features("old_structure_name") == ("old_structure_name",)
     assert megatron_ckpt_fixes._known(["old_structure_name", "structure"]) == ["structure"]

@@ -372,3 +372,21 @@ def test_optional_features_only_when_named(clean_install):
     added = clean_install.install(list(OPTIONAL_FEATURES))
     assert set(default) < set(added)
     assert any(n.startswith("training.cpu_support") for n in added)
+
+
+def test_probes_enter_no_collective_and_keep_the_groups_rank(single_rank_group, clean_install,
+                                                             monkeypatch):
+    """install() may run on one rank while the others train (an import that applies a
+    system's features): a probe's rehearsal must never enter a collective, even where
+    compat.cpu already lets megatron-core's finalize reach its broadcast on CPU, and with a
+    process group the group's rank answers (nothing stands in for get_rank)."""
+    import torch.distributed as dist
+
+    clean_install.install(["compat.cpu"])
+    entered: list[str] = []
+    for name in ("broadcast", "all_reduce", "all_gather", "all_gather_object", "barrier",
+                 "broadcast_object_list", "gather_object", "reduce_scatter", "all_to_all"):
+        monkeypatch.setattr(dist, name, lambda *args, _name=name, **kwargs: entered.append(_name))
+    get_rank = dist.get_rank
+    clean_install.install(ALL_FEATURES)
+    assert entered == [] and dist.get_rank is get_rank

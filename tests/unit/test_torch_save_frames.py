@@ -1,4 +1,4 @@
-"""The opt-in speed-up torch_save_frames: torch.save's framing replayed, the same bytes as
+"""The speed-up torch_save_frames: torch.save's framing replayed, the same bytes as
 torch's own save, used from a layout's third save on, never where the framing could differ.
 
 Wrong fixes each check catches: a replay never used (nothing gained), a replay from the
@@ -84,8 +84,8 @@ def test_a_replay_writes_torchs_own_bytes_from_a_layouts_third_save(crc_off):
 
 
 def test_a_failure_of_its_own_falls_back_to_torchs_save(crc_off, monkeypatch, caplog):
-    """A renamed private name of torch (here: the layout check raising) must not fail the
-    save inside the writer: torch's own save runs, and the fallback is logged once."""
+    """A torch that no longer behaves as the layout check expects (here: the check raising)
+    must not fail the save inside the writer: torch's own save runs, logged once."""
     calls, save = _counting_save()
 
     def renamed(_obj):
@@ -100,15 +100,19 @@ def test_a_failure_of_its_own_falls_back_to_torchs_save(crc_off, monkeypatch, ca
     assert caplog.text.count("falls back to torch.save") == 1
 
 
-def test_install_declares_the_private_names_it_reads(clean_install, monkeypatch):
-    """A torch without one of them: the speed-up is skipped, saying which; the rest is
-    installed."""
-    import torch._utils
+def test_what_it_reads_is_declared_and_a_missing_one_skips_it_loudly(clean_install,
+                                                                   monkeypatch):
+    """A torch whose serialization setting the layout depends on is renamed: the speed-up
+    is skipped, naming it, and every fix is installed."""
+    import dataclasses
 
-    monkeypatch.delattr(torch._utils, "_get_obj_state")
+    assert frames.PATCHES[0].reads == frames.READS
+    renamed = dataclasses.replace(
+        frames.PATCHES[0], reads=("torch.utils.serialization.config:save.renamed_alignment",))
+    monkeypatch.setattr(frames, "PATCHES", (renamed,))
     clean_install.install(["compat.cpu", "checksums", "torch_save_frames"])
     why = clean_install.installed()["torch_save_frames.save"]
-    assert why.startswith("not applied: optional") and "_get_obj_state" in why
+    assert why.startswith("not applied: optional") and "renamed_alignment" in why
     assert "checksums.write_item" in clean_install.installed()
 
 

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import CheckpointException
 
 from megatron_ckpt_fixes.core.patching import Declared, Layer, Patch
-from megatron_ckpt_fixes.core.rehearsal import replaced
+from megatron_ckpt_fixes.core.rehearsal import as_rank_0
 from megatron_ckpt_fixes.core.agreement import agree, describe_error, describe_failures
 from megatron_ckpt_fixes.core.entry_points import WRITER_FINISH
 from megatron_ckpt_fixes.core.errors import MegatronCkptFixesError
@@ -146,13 +146,17 @@ def agreed_finalize(original: Callable[..., None]) -> Callable[..., None]:
     return save_state_dict_async_finalize
 
 
+class _Finished(Exception):
+    """Ends a rehearsed finalize at its ``.metadata`` write, before any collective."""
+
+
 class _Coordinator:
     """Stands for the writer and the process group of a one-rank save whose writes
-    succeeded, recording whether the finalize asked it to write ``.metadata``."""
+    succeeded; its ``finish`` ends the finalize (what follows, the failure flag's broadcast,
+    is a collective, which one rank rehearsing alone must never enter)."""
 
     is_coordinator = True
     use_dist = False
-    finished = False
 
     def retrieve_write_results(self) -> list:
         return []
@@ -161,24 +165,23 @@ class _Coordinator:
         return [results]
 
     def finish(self, metadata: Any, results: Any) -> None:
-        self.finished = True
+        raise _Finished
 
 
 def _finalize_problems() -> list[str]:
     """The coordinator's ``.metadata`` write happens inside the finalize (watched on a save
     whose writes succeeded), where the patched finalize holds its failure."""
-    import torch.distributed as dist
     from megatron.core.dist_checkpointing.strategies import state_dict_saver
 
     coordinator = _Coordinator()
     finalize = inspect.unwrap(state_dict_saver.save_state_dict_async_finalize)
-    with replaced(dist, "get_rank", lambda *args, **kwargs: 0):
+    with as_rank_0():
         try:
             finalize(coordinator, object(), coordinator)
-        except Exception:  # noqa: BLE001 - what follows the write (the broadcast) needs a group
+        except _Finished:
+            return []
+        except Exception:  # noqa: BLE001 - it failed before the write
             pass
-    if coordinator.finished:
-        return []
     return ["save_state_dict_async_finalize did not call the writer's finish on the "
             "coordinator: its metadata write would not be held"]
 
