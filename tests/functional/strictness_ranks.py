@@ -3,7 +3,8 @@
 Saved: ``model.w`` (a chunk per rank) and ``model.only_saved``. Requested: ``model.w``,
 ``model.new`` (both ranks: a layer the checkpoint does not have) and, on rank 1 only,
 ``model.expert.1`` (an expert this rank alone holds). Each load is made with upstream's
-logging (``compat.cpu`` only), then with ``install()``; each records what the rank logged,
+logging (``compat.cpu``, and ``compat.tensor_metadata`` that lets megatron-core's strict
+loads run on torch 2.15), then with ``install()``; each records what the rank logged,
 what it loaded and what the pre-flight says, the pre-flight also on a copy of the
 checkpoint without its data files.
 """
@@ -94,7 +95,7 @@ def strictness_worker(rank: int, ws: int, root: str) -> dict:
     import megatron_ckpt_fixes
     from megatron.core import dist_checkpointing
 
-    megatron_ckpt_fixes.install(["compat.cpu"])
+    megatron_ckpt_fixes.install(["compat.cpu", "compat.tensor_metadata"])
     directory = os.path.join(root, "ckpt")
     if rank == 0:
         os.makedirs(directory)
