@@ -109,7 +109,7 @@ def _feature_modules() -> list[str]:
     rank installs what its test asks for): a few tenths of a second of CPU per rank."""
     from megatron_ckpt_fixes.core.features import MEGATRON_CORE, REGISTRY
 
-    return [f"{__package__}.{f.module}" for f in REGISTRY
+    return [f"megatron_ckpt_fixes.{f.module}" for f in REGISTRY
             if f.default and f.system == MEGATRON_CORE]
 
 

@@ -11,7 +11,6 @@ exactly, and the files go to a temporary directory.
 from __future__ import annotations
 
 import contextlib
-import functools
 import io
 import queue
 import tempfile
@@ -104,9 +103,6 @@ def write_one_item() -> list[Any]:
     return outcome[1]
 
 
-_kept: list[tempfile.TemporaryDirectory] = []
-
-
 @contextmanager
 def _failing_as_exceptions() -> Iterator[None]:
     """torch DCP's failure (a ``BaseException``) as a ``RuntimeError``, which probes catch."""
@@ -118,24 +114,27 @@ def _failing_as_exceptions() -> Iterator[None]:
         raise RuntimeError(f"torch DCP failed: {exc}") from exc
 
 
-def save_tiny_checkpoint() -> str:
-    """torch DCP's own save of one small tensor (no process group), into a new directory
-    removed at exit; the directory."""
+@contextmanager
+def tiny_checkpoint() -> Iterator[str]:
+    """torch DCP's own save of one small tensor (no process group) into a temporary
+    directory, removed when the block ends: not at exit, which the processes multiprocessing
+    forks never reach (each left one behind in the temporary folder). Nothing is copied
+    ahead (``per_thread_copy_ahead=0``): on a GPU host torch's writer would otherwise open a
+    CUDA stream, and with it a context on the current device, in every process that installs."""
     import torch
     import torch.distributed.checkpoint as dcp
 
-    directory = tempfile.TemporaryDirectory(prefix="mcf-rehearsal-")
-    _kept.append(directory)
-    with _failing_as_exceptions():
-        dcp.save({"t": torch.arange(4.0)}, storage_writer=dcp.FileSystemWriter(directory.name),
-                 no_dist=True)
-    return directory.name
+    with tempfile.TemporaryDirectory(prefix="mcf-rehearsal-") as directory:
+        with _failing_as_exceptions():
+            writer = dcp.FileSystemWriter(directory, per_thread_copy_ahead=0)
+            dcp.save({"t": torch.arange(4.0)}, storage_writer=writer, no_dist=True)
+        yield directory
 
 
-@functools.lru_cache(maxsize=None)
-def _tiny_checkpoint() -> str:
-    """One checkpoint of :func:`save_tiny_checkpoint` per process, for the reading probes."""
-    return save_tiny_checkpoint()
+def save_tiny_checkpoint() -> None:
+    """:func:`tiny_checkpoint`'s save, its directory removed at once."""
+    with tiny_checkpoint():
+        pass
 
 
 def load_tiny_checkpoint() -> None:
@@ -145,8 +144,8 @@ def load_tiny_checkpoint() -> None:
     import torch.distributed.checkpoint as dcp
 
     state = {"t": torch.empty(4)}
-    with _failing_as_exceptions():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(_tiny_checkpoint()), no_dist=True)
+    with tiny_checkpoint() as directory, _failing_as_exceptions():
+        dcp.load(state, storage_reader=dcp.FileSystemReader(directory), no_dist=True)
 
 
 def metadata_reads() -> tuple[str, list[tuple[str, str]]]:
@@ -154,12 +153,13 @@ def metadata_reads() -> tuple[str, list[tuple[str, str]]]:
     and the files (path, mode) its ``read_metadata`` opens through its ``fs``."""
     from torch.distributed.checkpoint import FileSystemReader
 
-    reader = FileSystemReader(_tiny_checkpoint())
-    with watching(reader.fs, "create_stream", reader.fs.create_stream) as calls:
-        try:
-            reader.read_metadata()
-        except Exception:  # noqa: BLE001 - judged by what it opened
-            pass
+    with tiny_checkpoint() as directory:
+        reader = FileSystemReader(directory)
+        with watching(reader.fs, "create_stream", reader.fs.create_stream) as calls:
+            try:
+                reader.read_metadata()
+            except Exception:  # noqa: BLE001 - judged by what it opened
+                pass
     return str(reader._get_metadata_path()), [(str(args[0]), str(args[1])) for args, _ in calls]
 
 
